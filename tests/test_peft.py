@@ -1012,3 +1012,84 @@ def test_a_framework_naming_of_an_adapter_points_to_merging_it_first(
     assert run_ckpt("merge", tiny_llama, lora_adapter, merged).exit_code == 0
     r = run_ckpt("convert", merged, tmp_path / "titan", "--to", "torchtitan")
     assert r.exit_code == 0, r.stderr
+
+
+def _dora_adapter(base: Path, adapter: Path, targets: list[str], dtype: torch.dtype) -> None:
+    """A DoRA adapter on `base` as training leaves it: every LoRA factor and magnitude moved
+    away from its initial value (DoRA starts each magnitude at its weight's norm)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_dora=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), lora)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.add_(torch.randn_like(param) * 0.1)
+        model.save_pretrained(adapter)
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [("llama", torch.float32), ("llama", torch.bfloat16), ("gpt2", torch.bfloat16)],
+)
+def test_merge_of_a_dora_adapter_equals_peft(
+    tiny_llama: Path, tmp_path: Path, family: str, dtype: torch.dtype
+) -> None:
+    """A DoRA adapter (`use_dora=True`: a magnitude per output feature beside the LoRA
+    factors) was refused ("merge it with peft's merge_and_unload"). `ckpt merge` now merges it
+    as peft's `DoraLinearVariant` does: the magnitude over the norm of each row of `W + ΔW`,
+    times `W + ΔW`, bit for bit, on 16-bit bases and on GPT-2's `Conv1D` layers (`[in, out]`)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    if family == "gpt2":
+        _gpt2(tmp_path / "gpt2")
+        source, targets = tmp_path / "gpt2", ["c_attn", "attn.c_proj", "c_fc"]
+    else:
+        source, targets = tiny_llama, ["q_proj", "v_proj", "down_proj"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        AutoModelForCausalLM.from_pretrained(source, dtype=dtype).save_pretrained(base)
+    _dora_adapter(base, adapter, targets, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base, dtype=dtype), adapter
+        ).merge_and_unload().save_pretrained(tmp_path / "peft-merged")
+    result = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
+    assert result.exit_code == 0, result.stdout
+    merged = result.json["result"]["merged"]
+    assert len(merged) == (6 if family == "llama" else 3)
+    want = load_file(tmp_path / "peft-merged" / "model.safetensors")
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+    before = load_file(base / "model.safetensors")
+    assert all(not torch.equal(got[n], before[n]) for n in merged)
+    assert all(got[n].dtype == dtype for n in got if got[n].is_floating_point())
+
+
+def test_merge_refuses_the_dora_it_cannot_merge(tiny_llama: Path, tmp_path: Path) -> None:
+    """DoRA on an embedding is not merged (refused by name, nothing written), and magnitudes
+    under a config without `use_dora` (which peft would merge as plain LoRA, dropping them)
+    are refused rather than guessed at."""
+    on_embedding = tmp_path / "on-embedding"
+    _dora_adapter(tiny_llama, on_embedding, ["embed_tokens", "q_proj"], torch.float32)
+    result = run_ckpt("merge", tiny_llama, on_embedding, tmp_path / "out", "--json")
+    assert result.exit_code == 4, result.stdout
+    assert "DoRA adapter on the embedding 'model.embed_tokens'" in result.json["error"]["message"]
+    assert not (tmp_path / "out").exists()
+
+    unflagged = tmp_path / "unflagged"
+    _dora_adapter(tiny_llama, unflagged, ["q_proj"], torch.float32)
+    config = json.loads((unflagged / "adapter_config.json").read_text())
+    (unflagged / "adapter_config.json").write_text(json.dumps({**config, "use_dora": False}))
+    result = run_ckpt("merge", tiny_llama, unflagged, tmp_path / "out", "--json")
+    assert result.exit_code == 4, result.stdout
+    assert "a DoRA magnitude, but adapter_config.json" in result.json["error"]["message"]
+    assert not (tmp_path / "out").exists()

@@ -5,10 +5,11 @@ tensor at a time: a weight some LoRA module targets gets `W + scaling · (B @ A)
 embeddings and transformers' `Conv1D` layers, which peft decides per layer), with
 `scaling = lora_alpha / r` (`/ sqrt(r)` with rsLoRA, per-module `rank_pattern` /
 `alpha_pattern` honoured), computed and rounded into the base weight's dtype exactly as peft's
-`lora.Linear` / `lora.Embedding` merge does on CPU; weights listed in `modules_to_save` are
-replaced by the adapter's copy (of a resized vocabulary too, when the adapter holds every
-vocabulary tensor whole: `config.json` then says its `vocab_size`); every other tensor is
-copied as raw bytes. Peak memory is one base weight plus its two low-rank factors. A LoRA
+`lora.Linear` / `lora.Embedding` merge does on CPU (DoRA's linear layers as its
+`DoraLinearVariant`: `W + ΔW` scaled row by row to the adapter's magnitude); weights listed in
+`modules_to_save` are replaced by the adapter's copy (of a resized vocabulary too, when the
+adapter holds every vocabulary tensor whole: `config.json` then says its `vocab_size`); every
+other tensor is copied as raw bytes. Peak memory is one base weight plus its two low-rank factors. A LoRA
 target whose base weight is quantized is refused before anything is written: an update added
 to quantized codes is wrong data.
 
@@ -59,7 +60,8 @@ if TYPE_CHECKING:
 
 _PEFT_PREFIX = "base_model.model."
 _LORA = re.compile(
-    r"(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$"
+    r"(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B"
+    r"|lora_magnitude_vector)(?:\.weight)?$"
 )
 #: the weight dtypes peft adds a LoRA update into (an FP8 weight fails in torch; an integer
 #: one holds quantized codes)
@@ -178,6 +180,8 @@ class _Update:
             added); else a `lora.Linear` (the sum taken in float32, one rounding).
         transposed: the delta is added as `(B @ A).T` (embeddings, and `Conv1D` layers, whose
             weight is `[in, out]`: peft's per-layer `fan_in_fan_out`).
+        magnitude: the DoRA magnitude vector (`lora_magnitude_vector`, one value per output
+            feature), or None for plain LoRA.
     """
 
     def __init__(self, module: str):
@@ -186,6 +190,38 @@ class _Update:
         self.b: str | None = None
         self.embedding = False
         self.transposed = False
+        self.magnitude: str | None = None
+
+
+def _check_dora(
+    update: _Update, config: dict[str, Any], outputs: int, where: str, factors: dict[str, Entry]
+) -> None:
+    """A DoRA layer is merged whole or refused: every layer of a `use_dora` adapter holds its
+    magnitude, one value per output feature (peft's `lora.Linear`; DoRA on embeddings is
+    not merged here)."""
+    if not config.get("use_dora"):
+        return
+    if update.magnitude is None:
+        raise FormatError(
+            f"is a DoRA adapter (use_dora), but {update.module!r} has no lora_magnitude_vector",
+            path=where,
+            fix="The adapter file is incomplete; save it again.",
+        )
+    if update.embedding:
+        raise FormatError(
+            f"is a DoRA adapter on the embedding {update.module!r}, which `ckpt merge` does not "
+            "merge (DoRA on linear layers only)",
+            path=where,
+            fix="Merge it with peft's merge_and_unload.",
+        )
+    held = list(factors[update.magnitude].shape)
+    if held != [outputs]:
+        raise FormatError(
+            f"the DoRA magnitude of {update.module!r} has shape {held}, its layer has {outputs} "
+            "output features",
+            path=where,
+            fix="Use the adapter_config.json and weights saved together; save it again.",
+        )
 
 
 def _delta_dtype(weight: torch.dtype) -> torch.dtype:
@@ -293,6 +329,8 @@ class MergedCheckpoint(Checkpoint):
                 path=self.adapter.manifest.location,
                 fix="Check that the adapter was trained on this base model.",
             )
+        if update.magnitude is not None:
+            return _dora_merged(weight, delta, self.adapter.read_tensor(update.magnitude), update)
         if update.embedding:
             # lora.Embedding.merge: `weight += delta.to(weight.dtype)`, the delta rounded to
             # the weight's dtype first, then the sum rounded again
@@ -308,6 +346,23 @@ class MergedCheckpoint(Checkpoint):
     def close(self) -> None:
         self.base.close()
         self.adapter.close()
+
+
+def _dora_merged(
+    weight: torch.Tensor, delta: torch.Tensor, magnitude: torch.Tensor, update: _Update
+) -> torch.Tensor:
+    """peft's `DoraLinearVariant.merge`, op for op: the norm of each output feature's row of
+    `W + delta` (taken in the delta's dtype, the base's 16-bit weight widened), the magnitude
+    over that norm, times `W + delta`, one rounding into the weight's dtype. `delta` is laid
+    out as the weight (`[in, out]` for a `Conv1D`, whose rows are then the columns)."""
+    import torch
+
+    rows = weight.T + delta.T if update.transposed else weight + delta
+    norm = torch.linalg.norm(rows, dim=1).to(rows.dtype)
+    factor = magnitude.to(delta.dtype) / norm
+    factor = factor.view(1, -1) if update.transposed else factor.view(-1, 1)
+    merged: torch.Tensor = (factor * (weight + delta)).to(weight.dtype)
+    return merged.contiguous()
 
 
 #: input embeddings an output projection is tied to when a model saves no `lm_head.weight`
@@ -477,12 +532,6 @@ def _plan_updates(
             key = key.replace(".modules_to_save.", ".", 1)
             if key in adapter_keys:
                 continue
-        if "lora_magnitude_vector" in key:
-            raise FormatError(
-                "is a DoRA adapter (lora_magnitude_vector), which `ckpt merge` does not merge",
-                path=where,
-                fix="Merge it with peft's merge_and_unload.",
-            )
         if any(part in key for part in _TRAINABLE_TOKENS):
             raise FormatError(
                 f"holds {entry.name!r}: trainable tokens (trainable_token_indices), which "
@@ -569,7 +618,15 @@ def _plan_updates(
                     untied.setdefault(alias, (None, target))
             continue
         module, part = match.group("module"), match.group("part")
-        if len(entry.shape) != 2:
+        magnitude = part == "lora_magnitude_vector"
+        if magnitude and not config.get("use_dora"):
+            raise FormatError(
+                f"holds {entry.name!r}, a DoRA magnitude, but adapter_config.json does not say "
+                "use_dora: peft would merge it as plain LoRA and drop the magnitudes",
+                path=where,
+                fix="Use the adapter_config.json saved with these weights.",
+            )
+        if len(entry.shape) != (1 if magnitude else 2):
             raise FormatError(
                 f"{entry.name!r} has shape {entry.shape}: only LoRA on linear and embedding "
                 "layers is merged",
@@ -589,6 +646,9 @@ def _plan_updates(
         update = updates.setdefault(target, _Update(module))
         if update.module != module:  # two LoRA layers on one tied tensor (embedding + lm_head)
             raise _tied_pair_refused(update.module, module, target, where)
+        if magnitude:
+            update.magnitude = entry.name
+            continue
         update.embedding = part.startswith("lora_embedding")
         if part.endswith("A"):
             update.a = entry.name
@@ -614,6 +674,7 @@ def _plan_updates(
                 fix="Check that the adapter was trained on this base model.",
             )
         update.transposed = transposed
+        _check_dora(update, config, product[0], where, factors)
     _check_coverage(base, config, names, updates, where)
     _check_vocabulary(base, names, tied, untied, resized, where)
     return updates, replaced, untied, resized
@@ -821,12 +882,6 @@ def merge_with(
             fix="Merge it with peft's merge_and_unload.",
         )
     _check_lora_config(config, adapter)
-    if config.get("use_dora"):
-        raise FormatError(
-            "is a DoRA adapter, which `ckpt merge` does not merge",
-            path=adapter,
-            fix="Merge it with peft's merge_and_unload.",
-        )
     if config.get("trainable_token_indices"):
         raise FormatError(
             "trains tokens of an embedding (trainable_token_indices), which `ckpt merge` "
