@@ -676,13 +676,19 @@ KNOWN_CIRCLES = (
 
 
 def _reexports(sources: dict[str, tuple[str, Path]]) -> dict[str, dict[str, str]]:
-    """Package -> {name its `__init__` hands on: the module it imports that name from}."""
+    """Package -> {name its `__init__` hands on: the module it imports that name from}, for
+    the packages whose `__init__` is only a face (under 40 lines, defining nothing): an import
+    from any other package's `__init__` is an import of that file."""
     found: dict[str, dict[str, str]] = {}
     for module, (source, path) in sources.items():
         if path.name != "__init__.py":
             continue
+        body = ast.parse(source, str(path)).body
+        defines = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        if len(source.splitlines()) >= 40 or any(isinstance(n, defines) for n in body):
+            continue
         names = found.setdefault(module, {})
-        for node in ast.parse(source, str(path)).body:
+        for node in body:
             if isinstance(node, ast.ImportFrom) and node.level:
                 base = _imported_from(node, path)
                 for alias in node.names:
@@ -692,9 +698,9 @@ def _reexports(sources: dict[str, tuple[str, Path]]) -> dict[str, dict[str, str]
 
 def import_graph(sources: dict[str, tuple[str, Path]]) -> dict[str, set[str]]:
     """Module -> the package modules it imports (`sources`: module -> its code and path), lazy
-    and type-only imports included. A name taken from a package is an arrow to the module that
-    defines it: the submodule of that name, or the one the package's `__init__` hands it on from
-    (a package's face is no room of its own, as farm-studio draws it)."""
+    and type-only imports included. A name taken from a package is an arrow to the submodule of
+    that name, or to the module a package's face hands it on from (a face is no room of its own,
+    as farm-studio draws the house), else to the package's `__init__`."""
     reexports = _reexports(sources)
 
     def target(package: str, name: str) -> str:
