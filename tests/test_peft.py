@@ -1093,3 +1093,71 @@ def test_merge_refuses_the_dora_it_cannot_merge(tiny_llama: Path, tmp_path: Path
     assert result.exit_code == 4, result.stdout
     assert "a DoRA magnitude, but adapter_config.json" in result.json["error"]["message"]
     assert not (tmp_path / "out").exists()
+
+
+def _qwen2(folder: Path, dtype: torch.dtype) -> None:
+    """A tiny Qwen2: a Llama whose q/k/v projections have biases."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from .framework_fixtures import tiny_config
+
+    torch.manual_seed(6)
+    config = Qwen2Config(**{**tiny_config().to_dict(), "model_type": "qwen2"})
+    Qwen2ForCausalLM(config).to(dtype).save_pretrained(folder)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_of_lora_bias_adds_it_into_the_base_bias_as_peft_does(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """`lora_bias=True` trains a bias on each `lora_B`, which `merge_and_unload` adds (scaled)
+    into the base layer's bias. `ckpt merge` refused the adapter ("holds '...lora_B.bias', a
+    LoRA tensor `ckpt merge` does not know"); it now merges it, bit for bit as peft."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import Qwen2ForCausalLM
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    _qwen2(base, dtype)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_bias=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(Qwen2ForCausalLM.from_pretrained(base, dtype=dtype), lora)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.add_(torch.randn_like(param) * 0.1)
+        model.save_pretrained(adapter)
+        PeftModel.from_pretrained(
+            Qwen2ForCausalLM.from_pretrained(base, dtype=dtype), adapter
+        ).merge_and_unload().save_pretrained(tmp_path / "peft-merged")
+    result = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
+    assert result.exit_code == 0, result.stdout
+    merged = result.json["result"]["merged"]
+    assert "model.layers.0.self_attn.q_proj.bias" in merged and len(merged) == 8
+    want = load_file(tmp_path / "peft-merged" / "model.safetensors")
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+    before = load_file(base / "model.safetensors")
+    assert not torch.equal(got[merged[0]], before[merged[0]])
+
+
+def test_merge_refuses_lora_bias_for_a_base_layer_without_a_bias(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A `lora_bias` adapter (trained on a Qwen2, whose q_proj has a bias) merged into a Llama
+    of the same shapes, whose q_proj has none: peft refuses the merge; so does `ckpt merge`,
+    naming the layer, before anything is written."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2ForCausalLM
+
+    qwen, adapter = tmp_path / "qwen2", tmp_path / "adapter"
+    _qwen2(qwen, torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], lora_bias=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(Qwen2ForCausalLM.from_pretrained(qwen), lora).save_pretrained(adapter)
+    result = run_ckpt("merge", tiny_llama, adapter, tmp_path / "out", "--json")
+    assert result.exit_code == 3, result.stdout
+    assert "has no bias to merge it into" in result.json["error"]["message"]
+    assert not (tmp_path / "out").exists()

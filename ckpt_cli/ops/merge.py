@@ -63,6 +63,8 @@ _LORA = re.compile(
     r"(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B"
     r"|lora_magnitude_vector)(?:\.weight)?$"
 )
+#: the bias of a `lora_B` layer (`lora_bias=True`): added into the base layer's bias
+_LORA_BIAS = re.compile(r"(?P<module>.+)\.lora_B\.bias$")
 #: the weight dtypes peft adds a LoRA update into (an FP8 weight fails in torch; an integer
 #: one holds quantized codes)
 _MERGEABLE = frozenset({"float16", "bfloat16", "float32", "float64"})
@@ -84,7 +86,7 @@ class MergeReport(Record):
         base / adapter / dest: what was read and written.
         adapter_type / base_model: from `adapter_config.json`.
         r / lora_alpha: the adapter's default rank and alpha.
-        merged: base weights that received a LoRA update.
+        merged: base weights (and biases, `lora_bias`) that received a LoRA update.
         replaced: base weights replaced by the adapter's `modules_to_save` copy.
         copied: base tensors written unchanged.
         vocab_size: the vocabulary the merged model holds when the adapter was trained on a
@@ -182,6 +184,8 @@ class _Update:
             weight is `[in, out]`: peft's per-layer `fan_in_fan_out`).
         magnitude: the DoRA magnitude vector (`lora_magnitude_vector`, one value per output
             feature), or None for plain LoRA.
+        bias: for the update of a base layer's bias (`lora_bias=True`), the `lora_B` bias
+            added into it, scaled as the weight's update; `a` and `b` are then None.
     """
 
     def __init__(self, module: str):
@@ -191,6 +195,35 @@ class _Update:
         self.embedding = False
         self.transposed = False
         self.magnitude: str | None = None
+        self.bias: str | None = None
+
+
+def _plan_bias(
+    module: str,
+    name: str,
+    base: Checkpoint,
+    quant: QuantAnalysis,
+    known: set[str],
+    names: set[str],
+    updates: dict[str, _Update],
+    where: str,
+) -> None:
+    """The update of `module`'s bias by its `lora_B` bias (`lora_bias=True`), refused where
+    peft refuses it: a base layer without a bias, or one it cannot add into."""
+    target = _base_name(module, "bias", known)
+    if target is None:
+        raise NotFoundError(
+            f"holds {name!r} (lora_bias), but the base layer {module!r} has no bias to merge "
+            "it into (peft refuses the same merge)",
+            path=where,
+            fix="Check that the adapter was trained on this base model.",
+        )
+    problem = _not_mergeable(base, quant, target, module, names)
+    if problem is not None:
+        raise problem
+    update = _Update(module)
+    update.bias = name
+    updates[target] = update
 
 
 def _check_dora(
@@ -299,13 +332,26 @@ class MergedCheckpoint(Checkpoint):
             return weight
         import torch
 
-        assert update.a is not None and update.b is not None
-        a = self.adapter.read_tensor(update.a)
-        b = self.adapter.read_tensor(update.b)
         r = _pattern_value(self.config.get("rank_pattern") or {}, update.module, self.config["r"])
         alpha = _pattern_value(
             self.config.get("alpha_pattern") or {}, update.module, self.config["lora_alpha"]
         )
+        scaling = alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r
+        if update.bias is not None:
+            # lora.Linear.merge: `bias += lora_B.bias * scaling`, in the wider dtype, one
+            # rounding into the bias's
+            added = self.adapter.read_tensor(update.bias).to(_delta_dtype(weight.dtype)) * scaling
+            if tuple(added.shape) != tuple(weight.shape):
+                raise FormatError(
+                    f"the LoRA bias of {update.module!r} has shape {list(added.shape)}, the "
+                    f"base bias {name!r} is {list(weight.shape)}",
+                    path=self.adapter.manifest.location,
+                    fix="Check that the adapter was trained on this base model.",
+                )
+            return torch.add(weight, added).to(weight.dtype).contiguous()
+        assert update.a is not None and update.b is not None
+        a = self.adapter.read_tensor(update.a)
+        b = self.adapter.read_tensor(update.b)
         held = a.shape[0]  # lora_A (and lora_embedding_A) is [r, in]
         if held != r:
             # the factors' own rank is what the product has; a config saying another makes
@@ -316,7 +362,6 @@ class MergedCheckpoint(Checkpoint):
                 path=self.adapter.manifest.location,
                 fix="Use the adapter_config.json saved with these weights.",
             )
-        scaling = alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r
         compute = _delta_dtype(weight.dtype)
         delta = (b.to(compute) @ a.to(compute)) * scaling
         if update.transposed:
@@ -539,6 +584,10 @@ def _plan_updates(
                 path=where,
                 fix="Merge it with peft's merge_and_unload.",
             )
+        bias = _LORA_BIAS.fullmatch(key)
+        if bias is not None:
+            _plan_bias(bias.group("module"), entry.name, base, quant, known, names, updates, where)
+            continue
         match = _LORA.fullmatch(key)
         if match is None:
             if ".lora_" in key:
@@ -656,6 +705,8 @@ def _plan_updates(
             update.b = entry.name
     factors = adapter.manifest.by_name
     for target, update in updates.items():
+        if update.bias is not None:
+            continue
         if update.a is None or update.b is None:
             raise FormatError(
                 f"{update.module!r} has only one of its two LoRA factors",
