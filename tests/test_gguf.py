@@ -954,6 +954,38 @@ def test_metadata_strings_that_are_not_utf8_are_shown_and_compared(tmp_path: Pat
     assert run_ckpt("diff", a, write(tmp_path / "same.gguf", b"\xffa")).exit_code == 0
 
 
+def test_metadata_arrays_of_arrays_keep_their_nesting(tmp_path: Path) -> None:
+    """GGUF arrays may hold arrays. gguf's reader flattens them (`contents()`), so ckpt showed
+    `[[1, 2], [3, 4, 5]]` as `[1, 2, 3, 4, 5]`, and `diff` called it IDENTICAL to
+    `[[1, 2, 3], [4, 5]]`. Each level is now read as written, in both byte orders."""
+    import gguf
+
+    def write(path: Path, nested: list[list[int]], order: gguf.GGUFEndian) -> Path:
+        writer = gguf.GGUFWriter(str(path), "llama", endianess=order)
+        writer.add_array("test.nested", nested)
+        writer.add_array("test.words", [["a", "b"], ["c"]])
+        writer.add_tensor("output_norm.weight", np.ones(4, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    for order in (gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG):
+        a = write(tmp_path / f"a-{order.name}.gguf", [[1, 2], [3, 4, 5]], order)
+        b = write(tmp_path / f"b-{order.name}.gguf", [[1, 2, 3], [4, 5]], order)
+        # the ground truth: gguf's reader holds one sub-array per item, and flattens them
+        assert _reader(a).fields["test.nested"].contents() == [1, 2, 3, 4, 5]
+        metadata = run_ckpt("inspect", a, "--json").json["result"]["details"]["metadata"]
+        assert metadata["test.nested"] == [[1, 2], [3, 4, 5]]
+        assert metadata["test.words"] == [["a", "b"], ["c"]]
+        result = run_ckpt("diff", a, b, "--json")
+        assert result.exit_code == 1, result.stdout
+        assert [m["key"] for m in result.json["result"]["metadata"]] == ["test.nested"]
+        same = write(tmp_path / f"same-{order.name}.gguf", [[1, 2], [3, 4, 5]], order)
+        assert run_ckpt("diff", a, same).exit_code == 0
+
+
 def test_a_tensor_of_more_than_four_dimensions_is_reported_as_llama_cpp_refuses_it(
     tmp_path: Path,
 ) -> None:

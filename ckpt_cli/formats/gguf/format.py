@@ -385,12 +385,36 @@ def _field(reader: Any, key: str) -> Any:
     field = reader.fields.get(key)
     if field is None:
         return None
+    if len(field.types) > 1 and int(field.types[1]) == _ARRAY:
+        # the gguf reader's `contents()` flattens an array of arrays into one list
+        return _nested_value(field.parts, _FIELD_VALUE, _ARRAY)[0]
     try:
         return field.contents()
     except UnicodeDecodeError:  # a string (a byte token) that is not UTF-8
         return _undecodable_strings(field)
     except Exception:
         return None
+
+
+#: the index of a reader field's first value part (after the key's length, the key, the type)
+_FIELD_VALUE = 3
+
+
+def _nested_value(parts: list[Any], index: int, kind: int) -> tuple[Any, int]:
+    """The value of type `kind` whose parts start at `parts[index]` (a reader field's parts,
+    in file order), and the index after them: arrays of arrays keep their nesting (the header
+    walk bounded their depth and their items), strings that are not UTF-8 are escaped."""
+    if kind == _STRING:  # the length, then the bytes
+        return bytes(parts[index + 1]).decode("utf-8", "backslashreplace"), index + 2
+    if kind != _ARRAY:
+        return parts[index].tolist()[0], index + 1
+    item, count = int(parts[index][0]), int(parts[index + 1][0])
+    index += 2
+    items = []
+    for _ in range(count):
+        value, index = _nested_value(parts, index, item)
+        items.append(value)
+    return items, index
 
 
 def _undecodable_strings(field: Any) -> Any:
