@@ -1161,3 +1161,35 @@ def test_merge_refuses_lora_bias_for_a_base_layer_without_a_bias(
     assert result.exit_code == 3, result.stdout
     assert "has no bias to merge it into" in result.json["error"]["message"]
     assert not (tmp_path / "out").exists()
+
+
+def test_merge_names_every_file_of_base_and_adapter_it_does_not_carry(
+    lora_adapter: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Meta's Llama repositories hold `original/` (the same weights as `consolidated.00.pth`,
+    unmerged): `merge` left it out without a word, where `convert` lists every file it does
+    not carry. It now names each file of BASE and ADAPTER left out, with why (the adapter's
+    model card too), in both the report and on stderr; the merged model's files are as
+    before."""
+    base = shutil.copytree(tiny_llama, tmp_path / "base")
+    (base / "original").mkdir()
+    torch.save({"w": torch.zeros(2)}, base / "original" / "consolidated.00.pth")
+    (base / "original" / "params.json").write_text('{"dim": 16}')
+    (base / "modeling_custom.py").write_text("# remote code\n")
+    adapter = shutil.copytree(lora_adapter, tmp_path / "adapter")
+    (adapter / "README.md").write_text("# my adapter\n")
+    result = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
+    assert result.exit_code == 0, result.stdout
+    skipped = {s["name"]: s["reason"] for s in result.json["result"]["skipped"]}
+    assert set(skipped) == {
+        "original/consolidated.00.pth",
+        "original/params.json",
+        f"{adapter}/README.md",
+    }
+    assert "subfolder" in skipped["original/params.json"]
+    assert "adapter folder" in skipped[f"{adapter}/README.md"]
+    written = {p.name for p in (tmp_path / "merged").iterdir()}
+    assert "modeling_custom.py" in written and "original" not in written
+    human = run_ckpt("merge", base, adapter, tmp_path / "again")
+    assert human.exit_code == 0, human.stderr
+    assert "not in the output: original/consolidated.00.pth" in human.stderr

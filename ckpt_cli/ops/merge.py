@@ -32,18 +32,12 @@ from ..dtypes import itemsize, numel
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import HF_WEIGHTS, get_format, resolve_source
 from ..formats.base import Checkpoint, Source, WriteOptions
-from ..formats.names import (
-    SAFETENSORS_INDEX_SUFFIX,
-    TORCH_INDEX_SUFFIX,
-    WEIGHT_SUFFIXES,
-)
 from ..models import Entry, FileInfo, Record, Request
 from ..progress import NULL_PROGRESS, Progress
 from ..quant import QuantAnalysis, analyse_checkpoint, label
 from ..sources.layouts.base import open_plain
 from ..sources.layouts.model_folders import read_json
 from ..sources.model_files import MAX_EXTRA_BYTES
-from ..sources.runs.records import is_checksum_manifest
 from ..storage.output import (
     check_destination,
     local_destination,
@@ -52,7 +46,13 @@ from ..storage.output import (
 )
 from ..storage.uri import parse_location
 from .convert.plan import SERVING_FILES, guard_paths, planned_files
-from .shared.transfer import plan_transfer
+from .shared.transfer import (
+    SkippedEntry,
+    TransferPlan,
+    account_files,
+    extra_files,
+    plan_transfer,
+)
 from .shared.transfer import write_checkpoint as run_write
 
 if TYPE_CHECKING:
@@ -94,6 +94,8 @@ class MergeReport(Record):
             base's, and `config.json` says it); None when the base's is kept.
         tokenizer_from_adapter: with `vocab_size`, the tokenizer files carried from the adapter
             folder in place of the base's (the tokenizer that holds the added tokens).
+        skipped: every file of BASE or ADAPTER neither read into the output nor carried, with
+            why (kind `file`; ADAPTER's named under its folder): nothing vanishes unsaid.
         files: the files written (weights and carried companions).
         tensors / tensor_bytes: tensors written and their bytes.
         dtypes: dtype -> how many tensors of it are written (the base's dtypes: merged
@@ -114,6 +116,7 @@ class MergeReport(Record):
     copied: int = 0
     vocab_size: int | None = None
     tokenizer_from_adapter: list[str] = Field(default_factory=list)
+    skipped: list[SkippedEntry] = Field(default_factory=list)
     files: list[FileInfo] = Field(default_factory=list)
     tensors: int = 0
     tensor_bytes: int = 0
@@ -858,21 +861,6 @@ def _check_coverage(
         )
 
 
-def _companions(source: Source) -> list[str]:
-    """The base's top-level non-weight files (config, tokenizer, generation config...)."""
-    if source.target is not None:
-        return []
-    return sorted(
-        n
-        for n in source.files
-        if "/" not in n
-        and not n.endswith(WEIGHT_SUFFIXES)
-        and not n.endswith((SAFETENSORS_INDEX_SUFFIX, TORCH_INDEX_SUFFIX))
-        and not n.startswith(".")
-        and not is_checksum_manifest(n)  # the base's files' digests, not the merged model's
-    )
-
-
 class MergeRequest(Request):
     """Every option of `merge` but the locations, typed and frozen (a test holds its fields to
     `merge`'s keyword parameters and the command's options).
@@ -1007,7 +995,8 @@ def merge_with(
     )
     # the vocabulary the adapter was trained on, when it resized the base's
     vocab_size = next((shape[0] for shape in resized.values()), None)
-    companions = _companions(base_source)
+    # the base's config, tokenizer, generation config and code, as `convert` carries them
+    companions = extra_files(base_checkpoint)
     # a resized vocabulary's tokens are in the tokenizer saved beside the adapter (the recipe:
     # `tokenizer.add_tokens`, `resize_token_embeddings(len(tokenizer))`, both saved), not
     # in the base's: the adapter's tokenizer files replace the base's whole set
@@ -1055,6 +1044,9 @@ def merge_with(
             key = entry.dtype or "unknown"
             dtypes[key] = dtypes.get(key, 0) + 1
         tensor_bytes = sum(e.nbytes for e in tensors)
+        skipped = _unused_files(
+            base_checkpoint, plan, companions, adapter, adapter_source, [weights, *from_adapter]
+        )
         written_names: list[str]
         if request.dry_run:
             files = planned_files(target, plan, dest_path, options)
@@ -1096,12 +1088,42 @@ def merge_with(
         ),
         vocab_size=vocab_size,
         tokenizer_from_adapter=from_adapter,
+        skipped=skipped,
         files=files,
         tensors=len(tensors),
         tensor_bytes=tensor_bytes,
         dtypes=dict(sorted(dtypes.items())),
         dry_run=request.dry_run,
     )
+
+
+def _unused_files(
+    base: Checkpoint,
+    plan: TransferPlan,
+    carried: list[str],
+    adapter: str,
+    adapter_source: Source,
+    read: list[str],
+) -> list[SkippedEntry]:
+    """The files of BASE the output neither reads nor carries (`transfer.account_files`, as
+    `convert` says them: an `original/` folder of other weights, a file too large to be a
+    tokenizer's...), then ADAPTER's besides its config, its weights and the tokenizer files
+    taken from it (`read`): its model card, its training arguments."""
+    _, skipped = account_files(base, plan, carried, single_file=False)
+    folder = adapter.rstrip("/")
+    skipped += [
+        SkippedEntry(
+            name=f"{folder}/{rel}",
+            kind="file",
+            reason="a hidden file: not part of the checkpoint"
+            if rel.rsplit("/", 1)[-1].startswith(".")
+            else "a file of the adapter folder, not of the merged model (which carries the "
+            "base's config and tokenizer)",
+        )
+        for rel in sorted(adapter_source.files)
+        if rel not in read and rel != "adapter_config.json"
+    ]
+    return skipped
 
 
 def _shard_size(checkpoint: Checkpoint) -> int | None:

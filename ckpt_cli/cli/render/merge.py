@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from ...ops.merge import MergeReport
 from ...sizes import counted
-from . import human_bytes, stdout
+from . import human_bytes, stderr, stdout
+
+#: files not in the output named one by one; past that, counted
+MAX_LISTED = 8
 
 
 def render_merge(report: MergeReport) -> None:
@@ -44,3 +47,8 @@ def render_merge(report: MergeReport) -> None:
             shown = human_bytes(f.size) if f.size is not None else "size decided when written"
             stdout.print(f"  file  {f.path}  {shown}  ({f.entries} entries)", markup=False)
         stdout.print("  nothing was written (--dry-run)")
+    left = report.skipped
+    for item in left[:MAX_LISTED]:
+        stderr.print(f"[yellow]not in the output:[/] {item.name}: {item.reason}", highlight=False)
+    if len(left) > MAX_LISTED:
+        stderr.print(f"[yellow]… {len(left) - MAX_LISTED} more files not in the output[/]")
