@@ -1117,8 +1117,8 @@ def _unused_files(
             kind="file",
             reason="a hidden file: not part of the checkpoint"
             if rel.rsplit("/", 1)[-1].startswith(".")
-            else "a file of the adapter folder, not of the merged model (which carries the "
-            "base's config and tokenizer)",
+            else "a file of the adapter folder (its card, or training state saved beside it), "
+            "not of the merged model, which carries the base's config and tokenizer",
         )
         for rel in sorted(adapter_source.files)
         if rel not in read and rel != "adapter_config.json"
