@@ -9,7 +9,7 @@ complete -c ckpt -f -n __fish_use_subcommand -a sync -d 'Copy every COMPLETE che
 complete -c ckpt -f -n __fish_use_subcommand -a download -d 'Download only the shards, or only the bytes, that hold the tensors you ask for'
 complete -c ckpt -f -n __fish_use_subcommand -a diff -d 'Compare two checkpoints: missing names, dtype/shape changes, tensor values, state values'
 complete -c ckpt -f -n __fish_use_subcommand -a doctor -d 'Rank the causes of a resumed run'\''s divergence, each with its evidence and the fix'
-complete -c ckpt -f -n __fish_use_subcommand -a merge -d 'Merge a LoRA ADAPTER into BASE and write the merged model to DEST'
+complete -c ckpt -f -n __fish_use_subcommand -a merge -d 'Merge a LoRA or DoRA ADAPTER into BASE and write the merged model to DEST'
 complete -c ckpt -f -n __fish_use_subcommand -a protect -d 'Write parity for SRC into SRC/.ckpt-parity/ (ignored by every loader)'
 complete -c ckpt -f -n __fish_use_subcommand -a repair -d 'Rebuild missing, truncated or corrupt files of SRC bit-exact from its parity'
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l list -s l -d 'List every entry, one per line: name, dtype, shape, bytes, file'

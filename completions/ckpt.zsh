@@ -13,7 +13,7 @@ _ckpt() {
     'download:Download only the shards, or only the bytes, that hold the tensors you ask for'
     'diff:Compare two checkpoints: missing names, dtype/shape changes, tensor values, state values'
     'doctor:Rank the causes of a resumed run'\''s divergence, each with its evidence and the fix'
-    'merge:Merge a LoRA ADAPTER into BASE and write the merged model to DEST'
+    'merge:Merge a LoRA or DoRA ADAPTER into BASE and write the merged model to DEST'
     'protect:Write parity for SRC into SRC/.ckpt-parity/ (ignored by every loader)'
     'repair:Rebuild missing, truncated or corrupt files of SRC bit-exact from its parity'
   )

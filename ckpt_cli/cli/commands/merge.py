@@ -1,4 +1,4 @@
-"""`ckpt merge`: fold a LoRA adapter into its base model, one weight at a time."""
+"""`ckpt merge`: fold a LoRA (or DoRA) adapter into its base model, one weight at a time."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def merge(
     adapter: Annotated[
         str,
         typer.Argument(
-            help="The PEFT LoRA adapter folder (adapter_config.json + adapter_model.*).",
+            help="The PEFT LoRA or DoRA adapter folder (adapter_config.json + adapter_model.*).",
             show_default=False,
         ),
     ],
@@ -45,11 +45,12 @@ def merge(
     ] = False,
     json_output: JsonOpt = False,
 ) -> None:
-    """Merge a LoRA ADAPTER into BASE and write the merged model to DEST.
+    """Merge a LoRA or DoRA ADAPTER into BASE and write the merged model to DEST.
 
-    Streams one base weight at a time (peft's merge_and_unload holds the whole model); the
-    output keeps the base's file names and carries its config and tokenizer files, so it loads
-    with from_pretrained.
+    Streams one base weight at a time (peft's merge_and_unload holds the whole model) and
+    computes each merged weight as peft does, bit for bit; the output keeps the base's file
+    names and carries its config and tokenizer files, so it loads with from_pretrained. Files
+    of BASE or ADAPTER not in the output are named, with why.
     """
     from ...ops.merge import MergeRequest, merge_with
     from ..render.merge import render_merge
