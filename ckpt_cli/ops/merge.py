@@ -344,13 +344,7 @@ class MergedCheckpoint(Checkpoint):
             # lora.Linear.merge: `bias += lora_B.bias * scaling`, in the wider dtype, one
             # rounding into the bias's
             added = self.adapter.read_tensor(update.bias).to(_delta_dtype(weight.dtype)) * scaling
-            if tuple(added.shape) != tuple(weight.shape):
-                raise FormatError(
-                    f"the LoRA bias of {update.module!r} has shape {list(added.shape)}, the "
-                    f"base bias {name!r} is {list(weight.shape)}",
-                    path=self.adapter.manifest.location,
-                    fix="Check that the adapter was trained on this base model.",
-                )
+            self._check_fits(f"the LoRA bias of {update.module!r}", added, "bias", name, weight)
             return torch.add(weight, added).to(weight.dtype).contiguous()
         assert update.a is not None and update.b is not None
         a = self.adapter.read_tensor(update.a)
@@ -369,14 +363,8 @@ class MergedCheckpoint(Checkpoint):
         delta = (b.to(compute) @ a.to(compute)) * scaling
         if update.transposed:
             delta = delta.T
-        if tuple(delta.shape) != tuple(weight.shape):
-            # the plan checked the base's shape; a `modules_to_save` copy may differ from it
-            raise FormatError(
-                f"the LoRA update of {update.module!r} has shape {list(delta.shape)}, "
-                f"the base weight {name!r} is {list(weight.shape)}",
-                path=self.adapter.manifest.location,
-                fix="Check that the adapter was trained on this base model.",
-            )
+        # the plan checked the base's shape; a `modules_to_save` copy may differ from it
+        self._check_fits(f"the LoRA update of {update.module!r}", delta, "weight", name, weight)
         if update.magnitude is not None:
             return _dora_merged(weight, delta, self.adapter.read_tensor(update.magnitude), update)
         if update.embedding:
@@ -387,6 +375,18 @@ class MergedCheckpoint(Checkpoint):
         # taken in the wider of the two (a bf16 weight: bf16(w + delta), never
         # w + bf16(delta), which differs by an ulp in about a third of the values)
         return torch.add(weight, delta).to(weight.dtype).contiguous()
+
+    def _check_fits(
+        self, what: str, update: torch.Tensor, kind: str, name: str, base: torch.Tensor
+    ) -> None:
+        """Refuse an update (`what`) whose shape is not the base tensor's it is added to."""
+        if tuple(update.shape) != tuple(base.shape):
+            raise FormatError(
+                f"{what} has shape {list(update.shape)}, the base {kind} {name!r} is "
+                f"{list(base.shape)}",
+                path=self.adapter.manifest.location,
+                fix="Check that the adapter was trained on this base model.",
+            )
 
     def read_object(self, name: str) -> Any:
         return self.base.read_object(name)
