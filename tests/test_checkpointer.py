@@ -289,45 +289,101 @@ def test_two_ranks_write_their_own_shards_survive_sigkill_mid_write_and_resume_b
         assert torch.equal(tensor, final[name]), name
 
 
-def test_retention_parity_and_a_damaged_newest_save_passed_over_on_load(tmp_path: Path) -> None:
+def _protected_run(run: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """A run saving steps 2, 4, 6, 8 with retention (keep_last 1, keep_every 4) and parity
+    (protect 1); each save's model parameters, by step."""
     from ckpt_cli import Checkpointer
 
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    run = tmp_path / "run"
-    ck = Checkpointer(run, keep_last=1, keep_every=4, protect=1)
     saved: dict[int, dict[str, torch.Tensor]] = {}
-    for step in (2, 4, 6, 8):
-        model(torch.randn(3, 64)).sum().backward()
-        optimizer.step()
-        ck.save(step, {"model": model, "optimizer": optimizer})
-        saved[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        record = ck.wait()
-        assert record is not None and record.phase == "done", record
-    # the newest (keep_last 1) and the multiples of 4 (keep_every 4) are left, each protected
-    assert sorted(p.name for p in run.iterdir()) == ["step-4", "step-8"]
+    with Checkpointer(run, keep_last=1, keep_every=4, protect=1) as ck:
+        for step in (2, 4, 6, 8):
+            model(torch.randn(3, 64)).sum().backward()
+            optimizer.step()
+            ck.save(step, {"model": model, "optimizer": optimizer})
+            saved[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            record = ck.wait()
+            assert record is not None and record.phase == "done", record
     assert record.pruned == ["step-6"]
-    assert (run / "step-8" / ".ckpt-parity" / "parity.index.json").is_file()
-    verdict = run_ckpt("verify", str(run / "step-8"), "--checksums")
-    assert verdict.exit_code == 0, verdict.stdout
-    ck.close()
+    return saved
 
-    # a bit flips in the newest save's data: load_latest checks before loading, takes step 4
+
+def _weight_shard(save: Path) -> tuple[Path, int, int]:
+    """The data file holding `model.weight` of a DCP save, and its bytes' offset and length."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    storage = FileSystemReader(str(run / "step-8")).read_metadata().storage_data
+    storage = FileSystemReader(str(save)).read_metadata().storage_data
     weight = next(info for index, info in storage.items() if index.fqn == "model.weight")
-    shard = run / "step-8" / weight.relative_path
-    data = bytearray(shard.read_bytes())
-    data[weight.offset + weight.length // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    return save / weight.relative_path, weight.offset, weight.length
+
+
+def _resume(run: Path) -> tuple[Any, torch.nn.Linear, torch.optim.AdamW]:
+    from ckpt_cli import Checkpointer
+
     fresh = torch.nn.Linear(64, 32)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     loaded = Checkpointer(run).load_latest(into={"model": fresh, "optimizer": fresh_optimizer})
-    assert loaded is not None and (loaded.step, loaded.tier) == (4, "local")
+    return loaded, fresh, fresh_optimizer
+
+
+def test_retention_parity_and_a_corrupt_newest_save_repaired_from_its_parity_on_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    saved = _protected_run(run)
+    # the newest (keep_last 1) and the multiples of 4 (keep_every 4) are left, each protected
+    assert sorted(p.name for p in run.iterdir()) == ["step-4", "step-8"]
+    assert (run / "step-8" / ".ckpt-parity" / "parity.index.json").is_file()
+    verdict = run_ckpt("verify", str(run / "step-8"), "--checksums")
+    assert verdict.exit_code == 0, verdict.stdout
+
+    # a bit flips in the newest save's data: its parity rebuilds it, as `ckpt repair` does,
+    # and that save is loaded, not the older step 4
+    shard, offset, length = _weight_shard(run / "step-8")
+    data = bytearray(shard.read_bytes())
+    data[offset + length // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="ckpt_cli.checkpointer"):
+        loaded, fresh, fresh_optimizer = _resume(run)
+    assert loaded is not None and (loaded.step, loaded.tier) == (8, "local")
+    assert loaded.repaired == [shard.name] and loaded.skipped == []
     assert "checksums" in loaded.verified
-    assert len(loaded.skipped) == 1 and loaded.skipped[0].startswith("step-8: ")
+    assert f"rebuilt {shard.name} from its parity" in caplog.text
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, saved[8][name]), name
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == torch.tensor(4.0)
+    verdict = run_ckpt("verify", str(run / "step-8"), "--checksums")
+    assert verdict.exit_code == 0, verdict.stdout
+
+
+def test_a_newest_save_that_lost_its_metadata_is_rebuilt_from_its_parity_and_loaded(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    saved = _protected_run(run)
+    (run / "step-8" / ".metadata").unlink()  # the commit marker is gone: the save looks unfinished
+    loaded, fresh, _ = _resume(run)
+    assert loaded is not None and (loaded.step, loaded.tier) == (8, "local")
+    assert loaded.repaired == [".metadata"]
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, saved[8][name]), name
+    assert latest(run) == str(run / "step-8")
+
+
+def test_a_newest_save_damaged_beyond_its_parity_is_passed_over_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    saved = _protected_run(run)
+    shard, _, _ = _weight_shard(run / "step-8")
+    shard.unlink()  # one data file and one parity share: a whole lost file is beyond it
+    loaded, fresh, fresh_optimizer = _resume(run)
+    assert loaded is not None and (loaded.step, loaded.tier) == (4, "local")
+    assert loaded.repaired == []
+    assert len(loaded.skipped) == 1 and loaded.skipped[0].startswith("step-8: "), loaded.skipped
+    assert shard.name in loaded.skipped[0] and "parity" in loaded.skipped[0]
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, saved[4][name]), name
     assert fresh_optimizer.state_dict()["state"][0]["step"] == torch.tensor(2.0)

@@ -721,6 +721,7 @@ class Checkpointer:
             tier=choice.tier,
             verified=choice.verified,
             skipped=choice.skipped,
+            repaired=choice.repaired,
             state=values,
         )
 

@@ -102,6 +102,8 @@ class LoadedCheckpoint(Record):
         tier: `local`, or `remote` when it was pulled from the object store first.
         verified: the checks it passed before loading (`structure`, `checksums`, `parity`).
         skipped: newer saves that were passed over, each with the reason (`step-900: ...`).
+        repaired: the files of the save its parity rebuilt before it was loaded (it was
+            damaged; written with `protect=`), relative to its folder (`__0_0.distcp`).
         state: the loaded values of the entries of `into` that are not Stateful objects
             (RNG states, counters); Stateful entries were loaded in place.
     """
@@ -113,4 +115,5 @@ class LoadedCheckpoint(Record):
     tier: Tier
     verified: list[str] = Field(default_factory=list)
     skipped: list[str] = Field(default_factory=list)
+    repaired: list[str] = Field(default_factory=list)
     state: dict[str, Any] = Field(default_factory=dict)

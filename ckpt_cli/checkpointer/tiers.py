@@ -2,11 +2,14 @@
 
 Both tiers are judged by `ckpt_cli.sources.runs` (the judge `ckpt latest` uses): a save is a
 candidate only when it is complete (`.metadata` present, every file whole; a staging folder
-or a half-uploaded prefix never is). The newest candidate wins; on a tie the local copy is
+or a half-uploaded prefix never is), or is a damaged local save its parity may rebuild. The newest candidate wins; on a tie the local copy is
 taken (no transfer). A remote save newer than every local one is pulled into the run folder
 first with `sync` (staged, checked against its checksum manifest, published with one rename).
 Every candidate is verified before it is chosen (`ckpt verify`, with `--checksums` when it
-carries a manifest or parity); one that fails is passed over, with the reason, for the next:
+carries a manifest or parity). A local save with parity that fails, or that lost a file (a
+published `step-N` is whole when renamed into place, so a missing `.metadata` is damage, not an
+interrupted save), is rebuilt from its parity first (`ckpt repair`) and checked again; one that
+still fails is passed over, with the reason, for the next:
 first the object store's copy of that very save when it holds one complete (pulled in place of
 the damaged local copy), then the older saves of both tiers, newest first (once a save has
 failed, the store is listed whole: its first listing judged only its newest save).
@@ -19,6 +22,7 @@ the run (and, with retention, later delete its saves in the store).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -31,6 +35,9 @@ from ..sources.runs import RunCheckpoint, scan_run
 from ..storage import PARITY_DIR
 from .model import SAVE_FORMAT, Tier
 
+#: the name of a published save (`run_dir/step-N`; its staging folder is hidden until the rename)
+STEP_SAVE = re.compile(r"step-\d+")
+
 
 @dataclass
 class Choice:
@@ -41,6 +48,7 @@ class Choice:
     tier: Tier
     verified: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
 
 
 def _resumable(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint]:
@@ -51,6 +59,50 @@ def _resumable(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint]:
         if c.complete and not c.slim and c.step is not None and SAVE_FORMAT in c.formats
     ]
     return sorted(done, key=lambda c: c.order, reverse=True)
+
+
+def _damaged_with_parity(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint]:
+    """Published step saves (`step-N`, never a staging folder) that are not complete but carry
+    parity: a save is renamed into place only once whole, so a lost `.metadata` or data file
+    is damage, which its parity may rebuild."""
+    return [
+        c
+        for c in checkpoints
+        if not c.complete
+        and c.status != "interrupted"
+        and c.step is not None
+        and not c.slim
+        and STEP_SAVE.fullmatch(c.name)
+        and (Path(c.path) / PARITY_DIR).is_dir()
+    ]
+
+
+def _repair(
+    save: RunCheckpoint, problem: str, log: logging.Logger, progress: Progress
+) -> tuple[list[str], str | None]:
+    """Rebuild the damaged files of the local save `save` (whose check found `problem`) from
+    its parity, as `ckpt repair` does: (the files rebuilt, None), or ([], why it could not)."""
+    from ..ops.parity import repair
+
+    try:
+        report = repair(save.path, progress=progress)
+    except (CkptError, OSError) as error:
+        return [], f"{problem}; its parity could not rebuild it: {error}"
+    if not report.ok:
+        lost = ", ".join(Path(name).name for name in report.unrecoverable)
+        return [], f"{problem}; the damage is beyond its parity ({lost} cannot be rebuilt)"
+    folder = Path(save.path)
+    rebuilt = [
+        Path(name).relative_to(folder).as_posix() if Path(name).is_relative_to(folder) else name
+        for name in report.rebuilt
+    ]
+    log.warning(
+        "checkpoint %s failed its check (%s): rebuilt %s from its parity",
+        save.path,
+        problem,
+        ", ".join(rebuilt) or "nothing",
+    )
+    return rebuilt, None
 
 
 def check(
@@ -69,7 +121,10 @@ def check(
     if report.ok:
         return report.checks, None
     first = next(p for p in report.problems if p.severity == "error")
-    return report.checks, f"{first.file or path}: {first.message}"
+    where = first.file or path
+    # (most messages name their file already)
+    said = first.message if first.message.startswith(where) else f"{where}: {first.message}"
+    return report.checks, said
 
 
 def choose(
@@ -86,8 +141,12 @@ def choose(
     the store's requests report no progress)."""
     skipped: list[str] = []
     unread: list[str] = []
-    local = _resumable(scan_run(run_dir, settle=0.0).checkpoints) if run_dir.is_dir() else []
+    scanned = scan_run(run_dir, settle=0.0).checkpoints if run_dir.is_dir() else []
+    local = _resumable(scanned)
     newest_local = local[0].step if local else None
+    # damaged saves with parity are tried in step order with the complete ones (rebuilt
+    # first); a store's copy newer than every complete local save is still pulled first
+    local = sorted(local + _damaged_with_parity(scanned), key=lambda c: c.order, reverse=True)
     remote: list[RunCheckpoint] = []
     #: the store's saves already pulled (or tried)
     tried: set[str] = set()
@@ -125,9 +184,28 @@ def choose(
             newer = [r for r in every_remote if (r.step or 0) > c.step]
             if (pulled := pull(newer, "newer than every local save that passes")) is not None:
                 return pulled
-        ran, problem = check(c.path, checks, progress)
+        repaired: list[str] = []
+        if c.complete:
+            ran, problem = check(c.path, checks, progress)
+        else:
+            ran, problem = [], f"{c.path}: {c.reason or 'incomplete'}"
+        if problem is not None and (Path(c.path) / PARITY_DIR).is_dir():
+            repaired, unrepaired = _repair(c, problem, log, progress)
+            if unrepaired is None:
+                # the repair checked each rebuilt file against the parity's sha256; the save
+                # is checked again as a whole (the structure a lost marker hid, the manifest)
+                ran, problem = check(c.path, checks, progress)
+            else:
+                problem = unrepaired
         if problem is None:
-            return Choice(path=c.path, step=c.step, tier="local", verified=ran, skipped=skipped)
+            return Choice(
+                path=c.path,
+                step=c.step,
+                tier="local",
+                verified=ran,
+                skipped=skipped,
+                repaired=repaired,
+            )
         log.warning("checkpoint %s failed verification, passed over: %s", c.path, problem)
         skipped.append(f"{c.name}: {problem}")
         # the store's copy of this very save, whole, is worth more than an older local one
@@ -145,9 +223,9 @@ def choose(
             f"no save of the run can be loaded: every one failed its checks ({'; '.join(skipped)})"
             + (f"; and {'; '.join(unread)}" if unread else ""),
             path=str(run_dir),
-            fix="`ckpt verify` of each save says what is wrong; `ckpt repair` rebuilds a save "
-            "written with protect=. To start the run over on purpose, move its saves out of the "
-            "run folder (and the bucket).",
+            fix="`ckpt verify` of each save says what is wrong (a save written with protect= "
+            "was given to `ckpt repair` already: its damage is beyond its parity). To start "
+            "the run over on purpose, move its saves out of the run folder (and the bucket).",
         )
     if unread:
         raise HubError(
