@@ -495,6 +495,56 @@ def test_two_ranks_resume_each_its_own_rng_state_and_counters(tmp_path: Path) ->
     assert into["samples"] == 100
 
 
+LOAD_AFTER_CLOSE_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer, CkptError
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+model = torch.nn.Linear(8, 8)
+ck = Checkpointer(run)
+ck.save(1, {"model": model, "seen": rank})
+ck.close()  # the training is over; the script then reloads the newest save with the same object
+try:
+    loaded = ck.load_latest({"model": torch.nn.Linear(8, 8), "seen": 0})
+    result = {"loaded": loaded.step if loaded else None}
+except CkptError as error:
+    result = {"raised": type(error).__name__, "exit_code": error.exit_code, "text": str(error)}
+except Exception as error:
+    result = {"bug": f"{type(error).__name__}: {error}"}
+again = Checkpointer(run).load_latest({"model": torch.nn.Linear(8, 8), "seen": 0})
+result["new_checkpointer_loaded"] = again.step if again else None
+with open(f"{out}.rank{rank}.json", "w") as f:
+    json.dump(result, f)
+dist.barrier()
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_load_latest_after_close_on_two_ranks_says_the_checkpointer_is_closed(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from .dist_helpers import run_torchrun
+
+    script = tmp_path / "load_after_close.py"
+    script.write_text(LOAD_AFTER_CLOSE_SCRIPT)
+    run_torchrun(script, 2, tmp_path / "run", tmp_path / "out")
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
+        assert result.get("raised") == "UsageError", result
+        assert result["exit_code"] == 2
+        assert "closed" in result["text"] and "new Checkpointer" in result["text"], result
+        # what the error says to do works: a new Checkpointer on every rank loads the save
+        assert result["new_checkpointer_loaded"] == 1
+
+
 ONE_RANK_FAILS_SCRIPT = """
 import json, sys
 import torch

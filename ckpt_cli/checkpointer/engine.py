@@ -646,8 +646,19 @@ class Checkpointer:
         Models, optimizers and other Stateful objects of `into` are loaded in place; the plain
         entries (RNG states, counters) are replaced in `into` by the loaded values and also
         returned in `LoadedCheckpoint.state`. Under torchrun rank 0 chooses the save (and
-        pulls it from the object store if need be) and every rank loads its own shards.
+        pulls it from the object store if need be) and every rank loads its own shards; after
+        `close()` (which released the process groups the ranks agree through) it raises
+        `UsageError` on every rank, before any collective.
         """
+        if self._closed and self._distributed:
+            # each rank closed its own groups: none may wait for the others through them
+            raise UsageError(
+                f"rank {self.rank} of {self.world_size}: load_latest was called after close(); "
+                "the Checkpointer is closed and its process groups are released",
+                path=self.run_dir,
+                fix="Call load_latest before close(), or make a new Checkpointer on every rank "
+                "(at the same point: its construction is collective) and load with it.",
+            )
         self._wait_everywhere("the save to load was chosen", _LOADING)
         items = entries(into)
         choice: Choice | None = None
@@ -726,7 +737,8 @@ class Checkpointer:
         )
 
     def close(self) -> None:
-        """Wait for the save in flight and release the staging buffer."""
+        """Wait for the save in flight and release the staging buffer (and, under torchrun,
+        the Checkpointer's process groups: it neither saves nor loads afterwards)."""
         if self._closed:
             return
         self._join()
