@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -1496,6 +1497,44 @@ def test_a_run_whose_every_save_fails_its_checks_raises_never_a_silent_fresh_sta
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
     # a run folder with no save at all is still a fresh start
     assert Checkpointer(tmp_path / "new").load_latest({"model": fresh}) is None
+
+
+def test_a_save_that_lost_a_file_is_named_when_passed_over_and_never_a_silent_fresh_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A published save (no parity) that lost its `.metadata` or a data file is damage (the
+    Checkpointer renames a save into place only once whole): `load_latest` passed over it
+    without a word, and when it was the run's only save returned None, a fresh start that
+    trained over the run."""
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import FormatError
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    run = tmp_path / "run"
+    with Checkpointer(run) as ck:
+        for step in (1, 2):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            ck.save(step, {"model": model, "step": step})
+            assert (record := ck.wait()) is not None and record.phase == "done", record
+    (run / "step-2" / ".metadata").unlink()
+    fresh = torch.nn.Linear(16, 8)
+    into: dict[str, Any] = {"model": fresh, "step": 0}
+    with caplog.at_level(logging.WARNING, logger="ckpt_cli.checkpointer"):
+        loaded = Checkpointer(run).load_latest(into)
+    assert loaded is not None and loaded.step == 1 and into["step"] == 1
+    assert len(loaded.skipped) == 1 and loaded.skipped[0].startswith("step-2: "), loaded.skipped
+    assert ".metadata" in loaded.skipped[0]
+    assert "step-2" in caplog.text and "passed over" in caplog.text
+    assert torch.equal(fresh.weight, torch.full_like(fresh.weight, 1.0))
+
+    # the run's only save lost a data file: an error naming it, not "no save yet"
+    shutil.rmtree(run / "step-2")
+    (run / "step-1" / "__0_0.distcp").unlink()
+    with pytest.raises(FormatError) as raised:
+        Checkpointer(run).load_latest({"model": torch.nn.Linear(16, 8), "step": 0})
+    assert "step-1: " in str(raised.value) and "__0_0.distcp" in str(raised.value)
 
 
 @pytest.mark.slow

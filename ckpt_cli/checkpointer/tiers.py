@@ -2,7 +2,8 @@
 
 Both tiers are judged by `ckpt_cli.sources.runs` (the judge `ckpt latest` uses): a save is a
 candidate only when it is complete (`.metadata` present, every file whole; a staging folder
-or a half-uploaded prefix never is), or is a damaged local save its parity may rebuild. The newest candidate wins; on a tie the local copy is
+or a half-uploaded prefix never is); a damaged local save (a published `step-N` that is not
+complete) is tried in its place, rebuilt from its parity or passed over with the reason. The newest candidate wins; on a tie the local copy is
 taken (no transfer). A remote save newer than every local one is pulled into the run folder
 first with `sync` (staged, checked against its checksum manifest, published with one rename).
 Every candidate is verified before it is chosen (`ckpt verify`, with `--checksums` when it
@@ -61,10 +62,10 @@ def _resumable(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint]:
     return sorted(done, key=lambda c: c.order, reverse=True)
 
 
-def _damaged_with_parity(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint]:
-    """Published step saves (`step-N`, never a staging folder) that are not complete but carry
-    parity: a save is renamed into place only once whole, so a lost `.metadata` or data file
-    is damage, which its parity may rebuild."""
+def _damaged(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint]:
+    """Published step saves (`step-N`, never a staging folder) that are not complete: a save
+    is renamed into place only once whole, so a lost `.metadata` or data file is damage (its
+    parity, if any, may rebuild it), never a save still being written."""
     return [
         c
         for c in checkpoints
@@ -73,7 +74,6 @@ def _damaged_with_parity(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint
         and c.step is not None
         and not c.slim
         and STEP_SAVE.fullmatch(c.name)
-        and (Path(c.path) / PARITY_DIR).is_dir()
     ]
 
 
@@ -121,10 +121,12 @@ def check(
     if report.ok:
         return report.checks, None
     first = next(p for p in report.problems if p.severity == "error")
-    where = first.file or path
-    # (most messages name their file already)
-    said = first.message if first.message.startswith(where) else f"{where}: {first.message}"
-    return report.checks, said
+    return report.checks, _located(first.file or path, first.message)
+
+
+def _located(where: str, message: str) -> str:
+    """`message` under the file or folder it is about (most messages name it already)."""
+    return message if message.startswith(where) else f"{where}: {message}"
 
 
 def choose(
@@ -144,9 +146,10 @@ def choose(
     scanned = scan_run(run_dir, settle=0.0).checkpoints if run_dir.is_dir() else []
     local = _resumable(scanned)
     newest_local = local[0].step if local else None
-    # damaged saves with parity are tried in step order with the complete ones (rebuilt
-    # first); a store's copy newer than every complete local save is still pulled first
-    local = sorted(local + _damaged_with_parity(scanned), key=lambda c: c.order, reverse=True)
+    # damaged saves are tried in step order with the complete ones (rebuilt from their parity
+    # if they have one, else passed over with the reason: never silently, and never taken for
+    # "no save"); a store's copy newer than every complete local save is still pulled first
+    local = sorted(local + _damaged(scanned), key=lambda c: c.order, reverse=True)
     remote: list[RunCheckpoint] = []
     #: the store's saves already pulled (or tried)
     tried: set[str] = set()
@@ -188,7 +191,7 @@ def choose(
         if c.complete:
             ran, problem = check(c.path, checks, progress)
         else:
-            ran, problem = [], f"{c.path}: {c.reason or 'incomplete'}"
+            ran, problem = [], _located(c.path, c.reason or "incomplete")
         if problem is not None and (Path(c.path) / PARITY_DIR).is_dir():
             repaired, unrepaired = _repair(c, problem, log, progress)
             if unrepaired is None:
