@@ -1367,6 +1367,38 @@ def test_a_save_larger_than_the_free_space_says_the_disk_is_full(tmp_path: Path)
     assert "MiB free, the save holds 4.0 MiB" in record.error and "\n" not in record.error
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_disk_with_keep_last_says_retention_needs_room_for_one_more_save(
+    tmp_path: Path,
+) -> None:
+    """A run folder sized for keep_last=2 saves: every save after the second failed with "no
+    space left (2.0 MiB free, the save holds 2.0 MiB)", which reads as if it fit, and never
+    said why retention did not make room (it removes the oldest save only once the new one
+    is published, so that a crash always leaves a complete save)."""
+    from ckpt_cli import Checkpointer
+
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("no tmpfs mount here")
+    try:
+        model = torch.nn.Linear(512, 1024)  # 2 MiB
+        records = []
+        with Checkpointer(disk / "run", keep_last=2) as ck:
+            for step in (1, 2, 3):
+                ck.save(step, {"model": model})
+                records.append(ck.wait())
+        names = sorted(p.name for p in (disk / "run").iterdir())
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert [r.phase for r in records if r is not None] == ["done", "done", "failed"]
+    error = records[2].error if records[2] is not None else ""
+    assert error.startswith("writing step 3 failed: no space left on the device ("), error
+    assert "2.0 MiB of tensors" in error, error
+    assert "keep_last=2" in error and "room for 3 saves" in error, error
+    assert names == ["step-1", "step-2"]  # the failed save left nothing behind
+
+
 @pytest.mark.slow
 def test_an_unreachable_upload_target_says_the_save_is_local(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -965,10 +965,20 @@ class Checkpointer:
         )
         if no_space or (free is not None and free < record.bytes):
             room = f" ({free / 2**20:.1f} MiB free" if free is not None else " ("
+            # (its checksum manifest and parity take more: the tensors are what is known)
+            needs = ""
+            keep_last = self.policy.keep_last if self.policy is not None else None
+            if keep_last is not None:
+                # the oldest save goes only once the new one is whole: a crash meanwhile must
+                # leave a complete save, so retention never makes room for the save it follows
+                needs = (
+                    f"; retention (keep_last={keep_last}) removes an old save only once the "
+                    f"new one is published, so the disk needs room for {keep_last + 1} saves"
+                )
             return (
                 f"{writing} failed: no space left on the device{room}, "
-                f"the save holds {record.bytes / 2**20:.1f} MiB); check free space at "
-                f"{self.run_dir}"
+                f"the save holds {record.bytes / 2**20:.1f} MiB of tensors){needs}; check free "
+                f"space at {self.run_dir}"
             ), True
         cause = causes[-1]
         if isinstance(cause, OSError):  # the file (or the run folder), the errno and a fix
