@@ -1367,6 +1367,45 @@ def test_a_save_larger_than_the_free_space_says_the_disk_is_full(tmp_path: Path)
     assert "MiB free, the save holds 4.0 MiB" in record.error and "\n" not in record.error
 
 
+@pytest.mark.parametrize("moment", ["read_metadata", "read_data"])
+def test_a_save_removed_by_the_trainers_retention_while_an_evaluator_loads_it_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str
+) -> None:
+    """An evaluation process loads the newest save while the training's keep_last retention
+    removes it (a newer save was published meanwhile): load_latest raised a bare
+    FileNotFoundError (removed before `.metadata` was read), or a FormatError saying the save
+    "does not fit the state of `into`" with a fix to rebuild the models (removed mid-load)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import IOFailure
+
+    run = tmp_path / "run"
+    model = torch.nn.Linear(8, 8)
+    with Checkpointer(run) as ck:
+        for step in (1, 2):
+            ck.save(step, {"model": model})
+            assert (record := ck.wait()) is not None and record.phase == "done", record
+    read = getattr(FileSystemReader, moment)
+
+    def retention_meanwhile(self: FileSystemReader, *args: Any, **kwargs: Any) -> Any:
+        folder = Path(self.path)
+        if folder.exists():  # what `ckpt prune` does: a rename out of sight, then the removal
+            gone = folder.with_name(".step-2.ckpt-tmp-del-test")
+            folder.rename(gone)
+            shutil.rmtree(gone)
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemReader, moment, retention_meanwhile)
+    with pytest.raises(IOFailure) as raised:
+        Checkpointer(run).load_latest({"model": torch.nn.Linear(8, 8)})
+    assert raised.value.exit_code == 74
+    message = str(raised.value)
+    assert "step 2 was removed while it was being loaded" in message, message
+    assert "does not fit" not in message
+    assert "load_latest again" in (raised.value.fix or "")
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_a_full_disk_with_keep_last_says_retention_needs_room_for_one_more_save(
     tmp_path: Path,

@@ -153,6 +153,21 @@ def _for_other_ranks(error: BaseException, where: Path, rank: int = 0) -> CkptEr
     )
 
 
+def _removed_while_loading(lost: FileNotFoundError, choice: Choice) -> IOFailure:
+    """A file of the chosen save vanished after it was chosen and verified: another process
+    removed it (the retention of the Checkpointer training this run, once a newer save was
+    published), not a save that does not fit `into`."""
+    return IOFailure(
+        f"step {choice.step} was removed while it was being loaded ({lost.filename or lost} is "
+        "gone): the retention of a Checkpointer writing this run folder (keep_last) may have "
+        "deleted it once a newer save was published",
+        path=choice.path,
+        fix="Call load_latest again: it takes the newest complete save. A process that reads "
+        "a run another one trains should load a copy it owns (`ckpt latest RUN` names the "
+        "newest save) or run while no save is published.",
+    )
+
+
 def _seconds(timeout: timedelta) -> str:
     return f"{timeout.total_seconds():g} s"
 
@@ -689,8 +704,11 @@ class Checkpointer:
             return None
         reader = FileSystemReader(choice.path)
         try:
-            metadata = reader.read_metadata()
-            template = load_template(items, metadata, choice.path, self.rank)
+            try:
+                metadata = reader.read_metadata()
+                template = load_template(items, metadata, choice.path, self.rank)
+            except FileNotFoundError as lost:
+                raise _removed_while_loading(lost, choice) from lost
         except BaseException as error:
             self._load_failed(error, choice)
             raise
@@ -702,6 +720,9 @@ class Checkpointer:
             else:
                 dcp_load(template, storage_reader=reader, no_dist=True)
         except CheckpointException as error:  # a BaseException: it would pass `except Exception`
+            lost = next((c for c in _causes(error) if isinstance(c, FileNotFoundError)), None)
+            if lost is not None:
+                raise _removed_while_loading(lost, choice) from error
             raise FormatError(
                 f"step {choice.step} does not fit the state of `into`: {_first_failure(error)}",
                 path=choice.path,
