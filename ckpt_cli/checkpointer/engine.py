@@ -720,9 +720,9 @@ class Checkpointer:
             else:
                 dcp_load(template, storage_reader=reader, no_dist=True)
         except CheckpointException as error:  # a BaseException: it would pass `except Exception`
-            lost = next((c for c in _causes(error) if isinstance(c, FileNotFoundError)), None)
-            if lost is not None:
-                raise _removed_while_loading(lost, choice) from error
+            gone = next((c for c in _causes(error) if isinstance(c, FileNotFoundError)), None)
+            if gone is not None:
+                raise _removed_while_loading(gone, choice) from error
             raise FormatError(
                 f"step {choice.step} does not fit the state of `into`: {_first_failure(error)}",
                 path=choice.path,
