@@ -1406,6 +1406,43 @@ def test_a_save_removed_by_the_trainers_retention_while_an_evaluator_loads_it_sa
     assert "load_latest again" in (raised.value.fix or "")
 
 
+def test_a_save_removed_while_an_evaluator_checks_it_gives_way_to_the_newer_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An evaluation process's load_latest checks the newest save while the training
+    publishes the next one and its keep_last=1 retention removes the one being checked:
+    load_latest raised NotFoundError ("step-2: no such file or folder. Check the path.")
+    though the run held a newer complete save. It now reads the run folder again and loads
+    that one."""
+    import ckpt_cli.ops.verify.run as verify_run
+    from ckpt_cli import Checkpointer
+
+    run = tmp_path / "run"
+    trained = torch.nn.Linear(8, 8)
+    with Checkpointer(run, keep_last=1) as trainer:
+        for step in (1, 2):
+            with torch.no_grad():
+                trained.weight.fill_(step)
+            trainer.save(step, {"model": trained})
+            assert (record := trainer.wait()) is not None and record.phase == "done", record
+        verify = verify_run.verify
+
+        def training_meanwhile(path: str, *args: Any, **kwargs: Any) -> Any:
+            if Path(path).name == "step-2" and Path(path).exists():
+                with torch.no_grad():
+                    trained.weight.fill_(3)
+                trainer.save(3, {"model": trained})  # published, then step-2 removed
+                assert (record := trainer.wait()) is not None and record.phase == "done"
+                assert record.pruned == ["step-2"], record
+            return verify(path, *args, **kwargs)
+
+        monkeypatch.setattr(verify_run, "verify", training_meanwhile)
+        evaluated = torch.nn.Linear(8, 8)
+        loaded = Checkpointer(run).load_latest({"model": evaluated})
+    assert loaded is not None and loaded.step == 3 and loaded.skipped == [], loaded
+    assert torch.equal(evaluated.weight, torch.full_like(evaluated.weight, 3.0))
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_a_full_disk_with_keep_last_says_retention_needs_room_for_one_more_save(
     tmp_path: Path,

@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CkptError, FormatError, HubError
+from ..errors import CkptError, FormatError, HubError, IOFailure, NotFoundError
 from ..ops.verify.checksums import MANIFEST_NAME
 from ..progress import NULL_PROGRESS, Progress
 from ..sources.runs import RunCheckpoint, scan_run
@@ -129,6 +129,14 @@ def _located(where: str, message: str) -> str:
     return message if message.startswith(where) else f"{where}: {message}"
 
 
+class _Vanished(Exception):
+    """The local save being judged was removed meanwhile (another process's retention)."""
+
+
+#: how many times the run folder is read again when the save being judged vanishes
+RESCANS = 3
+
+
 def choose(
     run_dir: Path,
     upload: str | None,
@@ -140,7 +148,69 @@ def choose(
     """The newest complete, verified save over both tiers (see the module), or None;
     `progress` receives the checks' checksum passes, and the listing of the object store and
     the pull from it run inside `in_store()` (under torchrun, rank 0's heartbeat on a clock:
-    the store's requests report no progress)."""
+    the store's requests report no progress).
+
+    A local save removed while it is judged (the retention of the process training this run,
+    once it published a newer save) is no damage: the run folder is read again, and the newer
+    save judged in its place."""
+    for _ in range(RESCANS):
+        try:
+            return _choose(run_dir, upload, checks, log, progress, in_store)
+        except _Vanished as gone:
+            log.info(
+                "%s was removed while load_latest checked it (the retention of the process "
+                "training this run?): reading %s again",
+                gone,
+                run_dir,
+            )
+    raise IOFailure(
+        f"the run's newest saves were removed while load_latest checked them, {RESCANS} times",
+        path=str(run_dir),
+        fix="Another process deletes this run's saves as fast as they are checked (a "
+        "Checkpointer's keep_last retention): load a copy of the save (`ckpt latest RUN` names "
+        "it), or call load_latest while that process publishes no save.",
+    )
+
+
+def _judge_local(
+    save: RunCheckpoint, checks: str, log: logging.Logger, progress: Progress
+) -> tuple[list[str], str | None, list[str]]:
+    """Check the local save `save` (rebuilding it from its parity if it is damaged and has
+    one): (the checks that ran, the problem left or None, the files rebuilt). Raises
+    `_Vanished` when the save was removed meanwhile."""
+    folder = Path(save.path)
+    repaired: list[str] = []
+    try:
+        if save.complete:
+            ran, problem = check(save.path, checks, progress)
+        else:
+            ran, problem = [], _located(save.path, save.reason or "incomplete")
+        if problem is not None and (folder / PARITY_DIR).is_dir():
+            repaired, unrepaired = _repair(save, problem, log, progress)
+            if unrepaired is None:
+                # the repair checked each rebuilt file against the parity's sha256; the save
+                # is checked again as a whole (the structure a lost marker hid, the manifest)
+                ran, problem = check(save.path, checks, progress)
+            else:
+                problem = unrepaired
+    except NotFoundError:
+        if folder.exists():
+            raise
+        raise _Vanished(save.path) from None
+    if problem is not None and not folder.exists():
+        raise _Vanished(save.path)
+    return ran, problem, repaired
+
+
+def _choose(
+    run_dir: Path,
+    upload: str | None,
+    checks: str,
+    log: logging.Logger,
+    progress: Progress,
+    in_store: Callable[[], AbstractContextManager[None]],
+) -> Choice | None:
+    """One reading of the run folder for `choose`."""
     skipped: list[str] = []
     unread: list[str] = []
     scanned = scan_run(run_dir, settle=0.0).checkpoints if run_dir.is_dir() else []
@@ -187,19 +257,7 @@ def choose(
             newer = [r for r in every_remote if (r.step or 0) > c.step]
             if (pulled := pull(newer, "newer than every local save that passes")) is not None:
                 return pulled
-        repaired: list[str] = []
-        if c.complete:
-            ran, problem = check(c.path, checks, progress)
-        else:
-            ran, problem = [], _located(c.path, c.reason or "incomplete")
-        if problem is not None and (Path(c.path) / PARITY_DIR).is_dir():
-            repaired, unrepaired = _repair(c, problem, log, progress)
-            if unrepaired is None:
-                # the repair checked each rebuilt file against the parity's sha256; the save
-                # is checked again as a whole (the structure a lost marker hid, the manifest)
-                ran, problem = check(c.path, checks, progress)
-            else:
-                problem = unrepaired
+        ran, problem, repaired = _judge_local(c, checks, log, progress)
         if problem is None:
             return Choice(
                 path=c.path,
