@@ -239,6 +239,38 @@ def test_a_trainer_checkpoint_that_lost_a_ranks_rng_state_fails_verify_and_is_no
     assert "rng_state_1.pth" in rows["checkpoint-4"]["reason"]
 
 
+def test_a_trainer_fsdp_checkpoint_that_lost_every_rng_state_fails_verify_and_is_no_latest(
+    fsdp_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Both `rng_state_{0,1}.pth` gone: no rank's file left to say the save had them, and the
+    FSDP optimizer state is accelerate's `optimizer_0/`, not the Trainer's `optimizer.pt`, so
+    ckpt said OK and `latest` named it. The Trainer saves the RNG states with the optimizer
+    (unless `save_only_model`, which the optimizer state here rules out), and the DCP folders'
+    `__1_0.distcp` say two processes saved."""
+    run = shutil.copytree(fsdp_checkpoint.parent, tmp_path / "run")
+    damaged = run / "checkpoint-4"
+    for rank in range(2):
+        (damaged / f"rng_state_{rank}.pth").unlink()
+    checked = run_ckpt("verify", damaged, "--json")
+    assert checked.exit_code == 1, checked.stdout
+    problems = checked.json["result"]["problems"]
+    assert [(p["code"], p["file"]) for p in problems] == [
+        ("missing_component", str(damaged / f"rng_state_{rank}.pth")) for rank in range(2)
+    ]
+    assert "optimizer_0/" in problems[0]["message"] and problems[0]["fix"]
+    training = run_ckpt("inspect", damaged, "--json").json["result"]["training"]
+    assert training["exact"] is False
+    latest = run_ckpt("latest", run, "--json")
+    assert latest.json["result"]["latest"] == str(run / "checkpoint-2"), latest.stdout
+    rows = {c["name"]: c for c in latest.json["result"]["checkpoints"]}
+    assert rows["checkpoint-4"]["status"] == "incomplete"
+    assert "rng_state_0.pth" in rows["checkpoint-4"]["reason"]
+    refused = run_ckpt("convert", damaged, tmp_path / "out", "--to", "dcp", "--json")
+    assert refused.exit_code == 4, refused.stdout
+    assert refused.json["error"]["path"] == str(damaged / "rng_state_0.pth")
+    assert not (tmp_path / "out").exists()
+
+
 def test_trainer_fsdp_reshard_dry_run_and_hidden_files(
     fsdp_checkpoint: Path, tmp_path: Path
 ) -> None:

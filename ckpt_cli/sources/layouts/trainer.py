@@ -323,21 +323,25 @@ def _file_names(folder: Path) -> set[str]:
 
 
 def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
-    """Optimizer / scheduler files a Trainer checkpoint should have but lacks, when its own
-    training arguments (`save_only_model` false) or its sibling checkpoints say so."""
-    if (
-        folder.has_dir("optimizer_0")
-        or folder.has("optimizer.bin")
-        or any(n.startswith("global_step") for n in source.files)
-    ):
-        return []  # FSDP or DeepSpeed state: saved in another shape
+    """Optimizer / scheduler / RNG files a Trainer checkpoint should have but lacks, when its
+    own training arguments (`save_only_model` false), the training state it holds or its
+    sibling checkpoints say so. Under FSDP the optimizer is accelerate's (`optimizer_0/`,
+    `optimizer.bin`), beside the Trainer's own `scheduler.pt` and every process's
+    `rng_state_{r}.pth`, so a save that lost all of those is told by its optimizer state."""
+    if any(n.startswith("global_step") for n in source.files):
+        return []  # DeepSpeed state: its own layout reads the folder
+    fsdp = [n for n in ("optimizer_0/", "optimizer.bin") if _holds(folder, n)]
     missing = [n for n in _TRAINER_STATE_FILES if not folder.has(n)]
+    if fsdp:
+        missing.remove("optimizer.pt")  # accelerate's `save_fsdp_optimizer` wrote it
     if not folder.matching(_RNG):
         # `_save_rng_state` writes `rng_state.pth` (`rng_state_{rank}.pth` from each process
         # of a multi-process run) with the optimizer and scheduler; `_load_rng_state` only
-        # logs "Didn't find an RNG file" and goes on without it
-        several = saved_world(source, folder, Trainer()).world > 1
-        missing.append("rng_state_0.pth" if several else "rng_state.pth")
+        # logs "Didn't find an RNG file" and goes on without it. Every process's is lost: as
+        # many as the save's own files say processes saved it (an FSDP folder's
+        # `__1_0.distcp`), `rng_state.pth` when they say one
+        world = saved_world(source, folder, Trainer()).world
+        missing += [Trainer().rank_file_name(rank, world) for rank in range(world)]
     if not missing or _model_only(source, folder):
         return []
     from ..runs import SLIM_RECORD
@@ -355,7 +359,7 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
     # the Trainer's own layout (`_save_checkpoint`): unless `save_only_model`, it writes
     # optimizer.pt, then scheduler.pt, then rng_state*.pth, all three or none of them, so one
     # of them here says the others were saved too, whatever the run's other saves hold
-    saved = [n for n in (*_TRAINER_STATE_FILES, *folder.matching(_RNG)) if folder.has(n)]
+    saved = fsdp + [n for n in (*_TRAINER_STATE_FILES, *folder.matching(_RNG)) if folder.has(n)]
     if saved:
         for name in missing:
             reasons.setdefault(
@@ -390,6 +394,11 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
         )
         for name, why in reasons.items()
     ]
+
+
+def _holds(folder: Folder, name: str) -> bool:
+    """Whether the folder holds the file `name`, or the DCP folder `name` ending in `/`."""
+    return folder.has_dir(name[:-1]) if name.endswith("/") else folder.has(name)
 
 
 def _foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
