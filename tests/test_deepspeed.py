@@ -120,6 +120,30 @@ def test_a_missing_rank_partition_fails_plain_verify(zero_runs: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+def test_a_save_that_lost_a_rank_partition_is_neither_converted_nor_recut_whole(
+    zero_runs: Path, tmp_path: Path, stage: int
+) -> None:
+    """`verify` fails a save without rank 1's partition (`missing_partition`), but `convert`
+    wrote the whole folder without it, exit 0: an output DeepSpeed cannot resume and nothing
+    rebuilds the weights of. `convert` and `reshard` refuse it as they refuse any lost file of
+    a training save, naming the file."""
+    run = shutil.copytree(zero_runs / f"zero{stage}", tmp_path / f"zero{stage}")
+    lost = next(run.glob("global_step*/*zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    lost.unlink()
+    out = tmp_path / "out"
+    for command in (
+        ("convert", run, out, "--to", "dcp"),
+        ("reshard", run, out, "--world-size", "1"),
+    ):
+        refused = run_ckpt(*command, "--json")
+        assert refused.exit_code == 4, (command, refused.stdout)
+        error = refused.json["error"]
+        assert error["path"] == str(lost), error
+        assert "missing_partition" in error["message"] and "dp_world_size" in error["message"]
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
 def test_a_save_that_lost_a_rank_partition_is_never_the_latest_nor_kept_by_prune(
     zero_runs: Path, tmp_path: Path, stage: int
 ) -> None:

@@ -703,9 +703,15 @@ def saved_world(source: Source, folder: Folder, layout: Layout) -> SavedRanks:
 
 #: the problem codes (at severity error) of a file a training save wrote and lost: a prepared
 #: object's state (`missing_component`), a rank's part of a per-rank FSDP save
-#: (`missing_rank_file`), a process's RNG states (`missing_rank_rng`). A command that writes the
-#: whole save again (`convert`, `reshard`) must not publish it without them (`refuse_lost_files`)
-LOST_FILE_CODES = ("missing_component", "missing_rank_file", "missing_rank_rng")
+#: (`missing_rank_file`), a process's RNG states (`missing_rank_rng`), a DeepSpeed ZeRO rank's
+#: partition (`missing_partition`). A command that writes the whole save again (`convert`,
+#: `reshard`) must not publish it without them (`refuse_lost_files`)
+LOST_FILE_CODES = (
+    "missing_component",
+    "missing_rank_file",
+    "missing_rank_rng",
+    "missing_partition",
+)
 
 #: the problem codes of a rank's RNG states file not in a multi-process save
 #: (`missing_rank_states`): lost for certain, or perhaps on another node's disk
