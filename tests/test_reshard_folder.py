@@ -271,6 +271,43 @@ def test_a_trainer_fsdp_checkpoint_that_lost_every_rng_state_fails_verify_and_is
     assert not (tmp_path / "out").exists()
 
 
+def test_a_trainer_fsdp_checkpoint_that_lost_a_rank_rng_converts_the_rest_when_told_to(
+    fsdp_checkpoint: Path, tmp_path: Path
+) -> None:
+    """`convert` refuses a save that lost rank 1's `rng_state_1.pth`, and `--filter-out` could
+    not make it write the rest on purpose: the refusal came whatever the filters. Its fix now
+    names the option, and with it the output holds every other component, bit for bit, and
+    says what it left out."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    damaged = shutil.copytree(fsdp_checkpoint, tmp_path / "checkpoint-2")
+    (damaged / "rng_state_1.pth").unlink()
+    out = tmp_path / "out"
+    refused = run_ckpt("convert", damaged, out, "--to", "dcp", "--json")
+    assert refused.exit_code == 4, refused.stdout
+    assert "--filter-out 'rng_1*'" in refused.json["error"]["fix"]
+    assert not out.exists()
+    # a filter that leaves out another component still refuses: the lost one is not chosen
+    other = run_ckpt("convert", damaged, out, "--to", "dcp", "--filter-out", "scheduler.*")
+    assert other.exit_code == 4 and not out.exists()
+    written = run_ckpt("convert", damaged, out, "--to", "dcp", "--filter-out", "rng_1*", "--json")
+    assert written.exit_code == 0, written.stdout
+    report = written.json["result"]
+    skipped = {s["name"]: s for s in report["skipped"] if s["kind"] == "component"}
+    assert list(skipped) == ["rng_1"]
+    assert "rng_state_1.pth" in skipped["rng_1"]["reason"]
+    assert "--filter-out" in skipped["rng_1"]["reason"]
+    assert not [w for w in report["warnings"] if "no effect" in w], report["warnings"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        back = _load_state_dict_from_keys(checkpoint_id=str(out))
+    assert "rng_1" not in back and "rng_0" in back
+    model, _ = _source_state(fsdp_checkpoint)
+    assert back["model"].keys() == model.keys()
+    for name, tensor in model.items():
+        assert torch.equal(back["model"][name], tensor), name
+
+
 def test_trainer_fsdp_reshard_dry_run_and_hidden_files(
     fsdp_checkpoint: Path, tmp_path: Path
 ) -> None:

@@ -346,8 +346,19 @@ def convert(
     if naming is not None:
         refuse_adapter(opened, naming, src)
         select = default_select(opened, select)
-    if select is None and naming is None:
-        refuse_lost_files(opened, "converted")
+    # a lost file's component left out by --filter/--filter-out: written without it, knowingly
+    lost_left_out = (
+        refuse_lost_files(
+            opened,
+            "converted",
+            include=include,
+            exclude=exclude,
+            match_prefix=match_prefix,
+            filters=True,
+        )
+        if select is None and naming is None
+        else []
+    )
     with opened.checkpoint as base:
         from ...quant import analyse_checkpoint
 
@@ -364,6 +375,7 @@ def convert(
             for comp, why in unreadable_left_out(
                 opened.unreadable, "converted", select, include, exclude, match_prefix
             )
+            + lost_left_out
         ]
         plan = _plan(
             opened,
@@ -453,7 +465,10 @@ def convert(
         if select is None and naming is None:
             warnings += lost_file_warnings(opened)
         if not match_prefix:  # a component's rules are judged over the whole folder
-            warnings += unmatched_rules((e.name for e in manifest.entries), include, exclude)
+            # a component left out whole (lost, unreadable) is matched though it lists nothing
+            left_out = [f"{entry.name}." for entry in unreadable]
+            names = [*(e.name for e in manifest.entries), *left_out]
+            warnings += unmatched_rules(names, include, exclude)
         companions = [] if single_file else extra_files(checkpoint)
         carried = companions if extras else []
         quant_files: list[SkippedEntry] = []

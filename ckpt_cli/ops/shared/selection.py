@@ -113,23 +113,57 @@ def refuse_placeholders(
     )
 
 
-def refuse_lost_files(opened: OpenedSource | None, doing: str) -> None:
+def refuse_lost_files(
+    opened: OpenedSource | None,
+    doing: str,
+    *,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    match_prefix: str = "",
+    filters: bool = False,
+) -> list[tuple[str, str]]:
     """Refuse (exit 4) to write a whole training save again when a file of it was lost
-    (`LOST_FILE_CODES`: a component's state, a rank's RNG states or FSDP part), naming the
-    file and the problem. The frameworks' loaders go on without some of them (a rank's RNG
-    states: they log a line), so an output that silently lacks one is a resume that is not the
-    run it continues; `verify` of the source fails it. `doing`: "converted", "re-cut". A
-    component taken alone (`--select`, an export to a naming) needs none of the lost files: the
-    caller does not ask then."""
-    from ...sources.layouts.composite import LOST_FILE_CODES
+    (`LOST_FILE_CODES`: a component's state, a rank's RNG states or FSDP part, a ZeRO
+    partition), naming the file and the problem. The frameworks' loaders go on without some
+    of them (a rank's RNG states: they log a line), so an output that silently lacks one is a
+    resume that is not the run it continues; `verify` of the source fails it. `doing`:
+    "converted", "re-cut". A component taken alone (`--select`, an export to a naming) needs
+    none of the lost files: the caller does not ask then.
+
+    A command that takes `--filter` / `--filter-out` (`filters`) writes the rest when they
+    leave out the component every lost file would be (`lost_component`, as `inspect` names
+    it in a save that holds it: `--filter-out 'rng_1*'`): the user chose so, knowing. Returns
+    (component, why) of each so left out, for the report's `skipped`."""
+    from ...sources.layouts.composite import LOST_FILE_CODES, lost_component
 
     if opened is None:
-        return
+        return []
     lost = [p for p in opened.problems if p.severity == "error" and p.code in LOST_FILE_CODES]
     if not lost:
-        return
-    first = lost[0]
+        return []
+    storage = opened.checkpoint.storage
+    root = storage.describe("x")[:-1]  # how this storage names its files, less the name
+    components = [
+        lost_component(p.file[len(root) :] if p.file and p.file.startswith(root) else p.file or "")
+        for p in lost
+    ]
+    left_out = [
+        component_left_out(comp, None, include, exclude, match_prefix) for comp in components
+    ]
+    kept = [i for i, why in enumerate(left_out) if why is None]
+    if filters and not kept:
+        return [
+            (comp, f"lost: {p.file} ({p.code}), so not in the output either; {why}")
+            for comp, p, why in zip(components, lost, left_out, strict=True)
+        ]
+    first = lost[kept[0]] if kept else lost[0]
     more = f" (and {len(lost) - 1} more lost file{'s' if len(lost) > 2 else ''})"
+    globs = " ".join(f"--filter-out '{comp}*'" for comp in dict.fromkeys(components))
+    knowingly = (
+        f"; or write the rest without {'it' if len(lost) == 1 else 'them'}, knowingly: {globs}"
+        if filters
+        else ""
+    )
     raise FormatError(
         f"{first.code}: {first.message.rstrip('.')}{more if len(lost) > 1 else ''}; the "
         f"{doing} output would lack it without a word, so nothing is written",
@@ -137,8 +171,27 @@ def refuse_lost_files(opened: OpenedSource | None, doing: str) -> None:
         fix="Copy it again from where the run saved it (`ckpt verify SRC` lists every lost "
         "file), or use another save of the run (`ckpt latest RUN_DIR`); to take what is there, "
         "convert one component at a time with --select COMPONENT (`ckpt inspect SRC` lists "
-        "them).",
+        f"them){knowingly}.",
     )
+
+
+def component_left_out(
+    comp: str,
+    select: str | None,
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+    match_prefix: str = "",
+) -> str | None:
+    """Why `--select` / `--filter` / `--filter-out` leave out the whole component `comp` (one
+    whose entries cannot be listed: unreadable, or lost), or None when they do not."""
+    probes = (f"{match_prefix}{comp}", f"{match_prefix}{comp}.", f"{match_prefix}{comp}.x")
+    if exclude and any(fnmatchcase(p, g) for g in exclude for p in probes):
+        return "left out by --filter-out"
+    if select is not None and comp != select.rstrip(".") and not comp.startswith(select):
+        return "outside --select"
+    if include and not any(fnmatchcase(p, g) for g in include for p in probes):
+        return "not matched by --filter"
+    return None
 
 
 def lost_file_warnings(opened: OpenedSource | None) -> list[str]:
@@ -207,20 +260,9 @@ def unreadable_left_out(
     (exit 4, naming it; `doing`: "converted", "compared") unless `--filter-out` (or `--select`
     / `--filter` choosing other entries) leaves it out.
     """
-
-    def left_out(comp: str) -> str | None:
-        probes = (f"{match_prefix}{comp}", f"{match_prefix}{comp}.", f"{match_prefix}{comp}.x")
-        if exclude and any(fnmatchcase(p, g) for g in exclude for p in probes):
-            return "left out by --filter-out"
-        if select is not None and comp != select.rstrip(".") and not comp.startswith(select):
-            return "outside --select"
-        if include and not any(fnmatchcase(p, g) for g in include for p in probes):
-            return "not matched by --filter"
-        return None
-
     kept: list[tuple[str, str]] = []
     for comp, (where, problem) in sorted(unreadable.items()):
-        why = left_out(comp)
+        why = component_left_out(comp, select, include, exclude, match_prefix)
         if why is None:
             raise FormatError(
                 f"the {comp} component cannot be read, so it cannot be {doing}: {problem}",

@@ -713,6 +713,50 @@ LOST_FILE_CODES = (
     "missing_partition",
 )
 
+#: how the layouts name the component of a file of a training save (`inspect`'s components):
+#: (file name pattern, component pattern on its groups); a lost file is named so in `convert`'s
+#: refusal and matched so by `--filter-out` (`lost_component`)
+_LOST_COMPONENTS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), component)
+    for pattern, component in (
+        (r"(?:random_states|rng_state)_(\d+)\.(?:pkl|pth)", "rng_{0}"),
+        (r"rng_state\.pth", "rng"),
+        (r"custom_checkpoint_(\d+)\.pkl", "custom_{0}"),
+        (r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", "optim_states_{0}"),
+        (r"trainer_state\.json", "trainer_state"),
+    )
+)
+_NUMBERED_FILE = re.compile(
+    rf"(?P<stem>{FSDP_MODEL}|model|pytorch_model|optimizer|scheduler|sampler|dl_state_dict)"
+    r"(?:_(?P<index>\d+))?(?:_rank(?P<rank>\d+))?(?:\.(?:bin|pt|safetensors))?"
+)
+_NUMBERED_COMPONENT = {
+    FSDP_MODEL: "model",
+    "pytorch_model": "model",
+    "dl_state_dict": "dataloader",
+}
+
+
+def lost_component(rel: str) -> str:
+    """The component a lost file of a training save (`LOST_FILE_CODES`, `rel` its path in the
+    save) would be, as `inspect` names the components of a save that holds it: `rng_1` for
+    `random_states_1.pkl` or `rng_state_1.pth`, `optimizer` for `optimizer_0/` or
+    `optimizer.pt`, `scheduler_1` for `scheduler_1.bin`, `optim_states_1` for a ZeRO
+    partition; the file's own stem for a name no layout numbers."""
+    name = rel.rstrip("/").rsplit("/", 1)[-1]
+    for pattern, component in _LOST_COMPONENTS:
+        match = pattern.fullmatch(name)
+        if match:
+            return component.format(*match.groups())
+    match = _NUMBERED_FILE.fullmatch(name)
+    if match:
+        comp = _NUMBERED_COMPONENT.get(match["stem"], match["stem"])
+        index = int(match["index"] or 0)
+        rank = match["rank"]
+        return rank_component(comp, index, int(rank)) if rank else numbered(comp, index)
+    return name.split(".", 1)[0]
+
+
 #: the problem codes of a rank's RNG states file not in a multi-process save
 #: (`missing_rank_states`): lost for certain, or perhaps on another node's disk
 RANK_RNG_CODES = ("missing_rank_rng", "rank_rng_elsewhere")
