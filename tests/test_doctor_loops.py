@@ -605,6 +605,104 @@ def test_state_reordered_within_nanogpt_param_groups_is_found(tmp_path: Path) ->
     assert result.json["result"]["causes"] == []
 
 
+class _Twins(torch.nn.Module):
+    """Two projections of the same shape, `left` and `right`, registered left then right
+    (`right_first`: the other way round, a refactored `__init__`): every position of
+    `model.parameters()` keeps its shape, so no shape shows the state applied to the other."""
+
+    def __init__(self, *, right_first: bool) -> None:
+        super().__init__()
+        if right_first:
+            self.right = torch.nn.Linear(16, 16)
+            self.left = torch.nn.Linear(16, 16)
+        else:
+            self.left = torch.nn.Linear(16, 16)
+            self.right = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.right(torch.tanh(self.left(x)))))
+
+
+def _twins_loop(
+    run: Path, resume: int | None, until: int, *, right_first: bool, by_name: bool = False
+) -> None:
+    """A plain loop with AdamW over `model.parameters()`, `torch.save` of the model and the
+    optimizer every 4 steps; resumed from `ckpt_RESUME.pt` into a model built as `right_first`
+    says. `by_name`: the saved optimizer state is mapped onto the new order by parameter name
+    before `load_state_dict` (the careful way to survive the refactor)."""
+    torch.manual_seed(0)
+    model = _Twins(right_first=right_first)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(256, 16, generator=data), torch.randn(256, 1, generator=data)
+    step = 0
+    if resume is not None:
+        saved = torch.load(run / f"ckpt_{resume}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer_state = saved["optimizer"]
+        if by_name:
+            old = {name: i for i, name in enumerate(saved["model"])}
+            new = [name for name, _ in model.named_parameters()]
+            optimizer_state["state"] = {
+                i: optimizer_state["state"][old[name]] for i, name in enumerate(new)
+            }
+        optimizer.load_state_dict(optimizer_state)
+        step = saved["step"]
+    run.mkdir(parents=True, exist_ok=True)
+    while step < until:
+        step += 1
+        rows = slice(step * 8 % 256, step * 8 % 256 + 8)
+        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 4 == 0:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            torch.save(state, run / f"ckpt_{step}.pt")
+
+
+def test_state_restored_onto_parameters_of_the_same_shape_in_another_order_is_found(
+    tmp_path: Path,
+) -> None:
+    """The resumed model registers `right` before `left`, both [16, 16]: the weights load by
+    name, the optimizer state by number, so left's moments step right and the other way round.
+    Every position keeps its shape, and the doctor said NO CAUSE FOUND. The saved order shows
+    the reorder; the second moments show the state followed its number (a load by name would
+    have kept each with its parameter), which a resume that maps the state by name does not:
+    that one, and the resume into the model as it was built, are clean."""
+    run = tmp_path / "run"
+    _twins_loop(run, None, 9, right_first=False)
+    _twins_loop(run, 8, 12, right_first=True)
+    after = torch.load(run / "ckpt_12.pt", weights_only=True)
+    assert list(after["model"])[:2] == ["right.weight", "right.bias"]
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("optimizer_mismatch", "ckpt_8.pt", "ckpt_12.pt")
+    ], causes
+    evidence = causes[0]["evidence"]
+    assert evidence[0].startswith(
+        "optimizer state of parameter 0 (exp_avg_sq) at ckpt_12.pt carries on ckpt_8.pt's "
+        "state of parameter 0, 'left.weight' (correlation "
+    ), evidence
+    assert evidence[0].endswith(
+        "with the state of 'right.weight', parameter 2 there), while the model's parameter 0 "
+        "at ckpt_12.pt is 'right.weight' [16, 16]: the parameters were reordered at the "
+        "resume and the state applied to others of the same shape"
+    ), evidence
+    assert any(line.startswith("optimizer state of parameter 2 (") for line in evidence)
+
+    for name, by_name, right_first in (("by-name", True, True), ("clean", False, False)):
+        clean = tmp_path / name
+        _twins_loop(clean, None, 9, right_first=False)
+        _twins_loop(clean, 8, 12, right_first=right_first, by_name=by_name)
+        result = run_ckpt("doctor", clean, "--json")
+        assert result.exit_code == 0, (name, result.stdout)
+        assert result.json["result"]["causes"] == [], name
+
+
 def _epoch_loop(run: Path, resume: int | None, until: int, *, restore_epoch: bool) -> None:
     """A plain loop over a `DataLoader` with a `DistributedSampler` (shuffled per epoch by
     `set_epoch`), 4 batches an epoch, saving `epoch` and `step` with the states every 4 steps;

@@ -9,7 +9,11 @@ from ...sources.runs import SLIM_RECORD
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
 from .save import Save
+from .tensors import moments_against
 from .tensors import total as tensor_total
+
+#: tensors this small carry too little to judge a correlation by
+_MIN_NUMEL = 16
 
 #: the `verify` problem of optimizer state that `load_state_dict` restores nothing of
 IDS_AS_STRINGS = "optimizer_ids_as_strings"
@@ -166,9 +170,26 @@ def _reordered(a: Save, b: Save) -> list[str]:
         # `a` does not number its state by the model's order as one list: param groups may
         return _grouped_reorder(a, b)
     evidence: list[str] = []
-    for (pid, name, shape, states), (_, old_name, old_shape, _) in zip(after, before, strict=True):
+    positions_before = {name: i for i, (_, name, _, _) in enumerate(before)}
+    for (pid, name, shape, states), (old_pid, old_name, old_shape, _) in zip(
+        after, before, strict=True
+    ):
         wrong = _misfits(states, shape)
         if wrong is None:
+            if name != old_name and shape == old_shape and name in positions_before:
+                by_name = before[positions_before[name]][0]
+                followed = _followed_by_number(a, b, pid, old_pid, by_name)
+                if followed is not None:
+                    key, corr_number, corr_name = followed
+                    evidence.append(
+                        f"optimizer state of parameter {pid} ({key}) at {b.name} carries on "
+                        f"{a.name}'s state of parameter {old_pid}, {old_name!r} (correlation "
+                        f"{corr_number:.3f}, against {corr_name:.3f} with the state of "
+                        f"{name!r}, parameter {by_name} there), while the model's parameter "
+                        f"{pid} at {b.name} is {name!r} {shape}: the parameters were "
+                        "reordered at the resume and the state applied to others of the same "
+                        "shape"
+                    )
             continue
         key, state_shape = wrong
         evidence.append(
@@ -278,6 +299,46 @@ def _by_position(save: Save) -> list[tuple[str, str, list[int], dict[str, list[i
         (pid, name, list(entry.shape), view.per_param.get(pid, {}))
         for pid, (name, entry) in zip(ids, model, strict=True)
     ]
+
+
+#: how much nearer (in correlation) a state must be to the saved state of its own number than
+#: to that of its parameter's name, to say it was loaded by number
+_FOLLOW_MARGIN = 0.2
+
+
+def _followed_by_number(
+    a: Save, b: Save, pid: str, same_number: str, same_name: str
+) -> tuple[str, float, float] | None:
+    """Whether `b`'s optimizer state of parameter `pid` carries on `a`'s state of the same
+    number (`same_number`) rather than `a`'s state of the parameter that now holds that number
+    (`same_name`): (the state compared, its correlation with each) where it clearly does.
+
+    Adam's second moments decay by beta2 (0.999) per step, so over a save interval a restored
+    `exp_avg_sq` keeps the pattern it was loaded with; a load by number and a load by name
+    (the state mapped onto the new order) are told apart by which one it keeps. None where
+    neither is clearly nearer (the state decayed away, a momentum that forgets fast)."""
+    prefix_a, prefix_b = a.prefix("optimizer"), b.prefix("optimizer")
+    if prefix_a is None or prefix_b is None:
+        return None
+    entries_a, entries_b = a.entries_by_name, b.entries_by_name
+    for key in ("exp_avg_sq", "exp_avg", "momentum_buffer"):
+        after = entries_b.get(f"{prefix_b}state.{pid}.{key}")
+        number = entries_a.get(f"{prefix_a}state.{same_number}.{key}")
+        name = entries_a.get(f"{prefix_a}state.{same_name}.{key}")
+        if after is None or number is None or name is None:
+            continue
+        if not after.numel or (after.numel or 0) < _MIN_NUMEL:
+            return None
+        if not after.numel == number.numel == name.numel:
+            return None
+        (_, _, corr_number), (_, _, corr_name) = moments_against(
+            (b.opened.checkpoint, after),
+            [(a.opened.checkpoint, number), (a.opened.checkpoint, name)],
+        )
+        if corr_number > 0.5 and corr_number > corr_name + _FOLLOW_MARGIN:
+            return key, corr_number, corr_name
+        return None
+    return None
 
 
 def _misfits(states: dict[str, list[int]], shape: list[int]) -> tuple[str, list[int]] | None:

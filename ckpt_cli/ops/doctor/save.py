@@ -131,6 +131,11 @@ class Save:
         return list(self.opened.checkpoint.manifest.entries)
 
     @cached_property
+    def entries_by_name(self) -> dict[str, Entry]:
+        """Every entry of the checkpoint, by its name."""
+        return {entry.name: entry for entry in self.entries}
+
+    @cached_property
     def step(self) -> int | None:
         """The training step: the trainer's own counter, else the one in the folder's name.
 
