@@ -847,3 +847,77 @@ def test_a_scaler_reset_the_scale_cannot_show_is_told_by_its_growth_tracker(
     result = run_ckpt("doctor", clean, "--json")
     assert result.exit_code == 0, result.stdout
     assert result.json["result"]["causes"] == []
+
+
+def _batchnorm_loop(run: Path, resume: int | None, until: int, *, eval_after_load: bool) -> None:
+    """A plain loop over an MLP with BatchNorm and dropout, `model.train()` once before it
+    starts, `torch.save` every 4 steps; resumed from `ckpt_RESUME.pt` with everything restored.
+    `eval_after_load`: the resume script validates the loaded model first (`model.eval()`) and
+    the loop, whose `model.train()` came before the load, never switches it back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32),
+        torch.nn.BatchNorm1d(32),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(32, 1),
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(256, 8, generator=data), torch.randn(256, 1, generator=data)
+    step = 0
+    model.train()
+    if resume is not None:
+        saved = torch.load(run / f"ckpt_{resume}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+        if eval_after_load:
+            model.eval()
+            with torch.no_grad():
+                model(xs[:32])
+    run.mkdir(parents=True, exist_ok=True)
+    while step < until:
+        step += 1
+        rows = slice(step * 8 % 256, step * 8 % 256 + 8)
+        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 4 == 0:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            torch.save(state, run / f"ckpt_{step}.pt")
+
+
+def test_a_model_left_in_eval_mode_at_the_resume_is_found_by_its_batchnorm(
+    tmp_path: Path,
+) -> None:
+    """The resume script ran a validation pass (`model.eval()`) and the loop went on training
+    in eval mode: dropout off, BatchNorm normalising by its frozen running statistics. The
+    doctor said NO CAUSE FOUND. BatchNorm's `num_batches_tracked`, which counted every
+    training batch up to the save, stands still after it while the optimizer steps. The same
+    resume that stays in train mode is clean."""
+    run = tmp_path / "run"
+    _batchnorm_loop(run, None, 9, eval_after_load=False)
+    _batchnorm_loop(run, 8, 12, eval_after_load=True)
+    saved = [torch.load(run / f"ckpt_{n}.pt", weights_only=True) for n in (4, 8, 12)]
+    assert [int(s["model"]["1.num_batches_tracked"]) for s in saved] == [4, 8, 8]
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("model_in_eval_mode", "ckpt_8.pt", "ckpt_12.pt")
+    ], causes
+    assert causes[0]["evidence"] == [
+        "BatchNorm's 1.num_batches_tracked 4 at ckpt_4.pt, 8 at ckpt_8.pt, 8 at ckpt_12.pt "
+        "while the optimizer stepped 4 times: the model counted its batches in train mode up "
+        "to the resume, and none after it"
+    ], causes[0]["evidence"]
+    assert "model.train()" in causes[0]["fix"]
+
+    clean = tmp_path / "clean"
+    _batchnorm_loop(clean, None, 9, eval_after_load=False)
+    _batchnorm_loop(clean, 8, 12, eval_after_load=False)
+    result = run_ckpt("doctor", clean, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []

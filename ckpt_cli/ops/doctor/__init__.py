@@ -39,7 +39,7 @@ from ...models import Request
 from ...sources.layouts import open_source
 from ...sources.layouts.training import no_training_state
 from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, is_remote, looks_like_run, scan_run
-from . import consistency, data, optimizer, points, rng, scaler, schedule, setup, weights
+from . import consistency, data, modes, optimizer, points, rng, scaler, schedule, setup, weights
 from .logs import Series, from_trainer_state, jump, run_logs
 from .models import CAUSE_IDS, EXPECTABLE, Cause, DoctorReport, LogJump, ResumePoint
 from .pair import Pair
@@ -292,6 +292,7 @@ _PAIR_CHECKS = (
     schedule.check,
     data.check,
     scaler.check,
+    modes.check,
     weights.check,
     rng.check,
     setup.check_config,

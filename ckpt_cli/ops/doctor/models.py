@@ -15,6 +15,7 @@ CAUSE_IDS = (
     "scheduler_not_restored",
     "data_position_not_restored",
     "grad_scaler_reset",
+    "model_in_eval_mode",
     "weights_partly_restored",
     "precision_changed",
     "batch_changed",
