@@ -662,6 +662,71 @@ def _twins_loop(
             torch.save(state, run / f"ckpt_{step}.pt")
 
 
+def _folder_loop(
+    run: Path,
+    resume: int | None,
+    until: int,
+    *,
+    right_first: bool = False,
+    restore_optimizer: bool = True,
+) -> None:
+    """A plain loop that saves each step folder the way `save_pretrained` users do by hand:
+    `step-N/model.safetensors` (safetensors' `save_file`, which stores the tensors sorted by
+    name, not in the model's order) and `step-N/optimizer.pt` (`optimizer.state_dict()`),
+    every 4 steps, with a `metrics.jsonl` log; resumed from `step-RESUME/` into a model built
+    as `right_first` says, its optimizer state loaded where `restore_optimizer`."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    model = _Twins(right_first=right_first)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(256, 16, generator=data), torch.randn(256, 1, generator=data)
+    step = 0
+    if resume is not None:
+        model.load_state_dict(load_file(run / f"step-{resume}" / "model.safetensors"))
+        if restore_optimizer:
+            saved = torch.load(run / f"step-{resume}" / "optimizer.pt", weights_only=True)
+            optimizer.load_state_dict(saved)
+        step = resume
+    run.mkdir(parents=True, exist_ok=True)
+    while step < until:
+        step += 1
+        rows = slice(step * 8 % 256, step * 8 % 256 + 8)
+        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with open(run / "metrics.jsonl", "a") as log:
+            log.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+        if step % 4 == 0:
+            folder = run / f"step-{step}"
+            folder.mkdir()
+            save_file(model.state_dict(), folder / "model.safetensors")
+            torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+
+
+def test_a_run_whose_saves_all_lack_a_file_is_examined_with_warnings(tmp_path: Path) -> None:
+    """A plain loop's step folders (`model.safetensors` + `optimizer.pt`, no scheduler or RNG
+    file) are read as Trainer saves without their `scheduler.pt`: each is incomplete, and the
+    doctor refused the whole run ("holds no complete checkpoint to examine"), though one
+    incomplete save among complete ones is examined with a warning. Saves that open with
+    their weights and training state are examined all the same: the resume that did not load
+    the optimizer is found, each save's warning names what it lacks."""
+    run = tmp_path / "run"
+    _folder_loop(run, None, 9)
+    _folder_loop(run, 8, 12, restore_optimizer=False)
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    report = result.json["result"]
+    causes = report["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes][:1] == [
+        ("optimizer_not_restored", "step-8", "step-12")
+    ], causes
+    assert [w.split(":")[0] for w in report["warnings"]] == ["step-4", "step-8", "step-12"]
+    assert all("scheduler.pt is missing" in w for w in report["warnings"]), report["warnings"]
+
+
 def test_state_restored_onto_parameters_of_the_same_shape_in_another_order_is_found(
     tmp_path: Path,
 ) -> None:

@@ -123,8 +123,6 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
             return _single(run_dir, declared)
         report = DoctorReport(run_dir=run_dir, mode="run")
         scan = scan_run(run, settle=DEFAULT_SETTLE if settle is None else settle)
-        if not any(c.complete for c in scan.checkpoints):
-            raise _no_complete_save(run_dir, scan.checkpoints)
         saves = []
         for c in scan.checkpoints:
             if c.complete:
@@ -141,6 +139,10 @@ def doctor_with(run_dir: str | None, request: DoctorRequest) -> DoctorReport:
             )
             incomplete.add(c.name)
             saves.append(save)
+        if not any(c.complete for c in scan.checkpoints) and not saves:
+            # every save incomplete is examined all the same where it opens with its weights
+            # and training state (a loop's own folders, read as a Trainer's, lack its files)
+            raise _no_complete_save(run_dir, scan.checkpoints)
         logs = _logs_of(run)
     for save in saves:
         if save.name not in incomplete:  # an incomplete save's warning names what it lacks
