@@ -4,6 +4,7 @@ the unquantized tensors to safetensors bit-exact and reports the quantized ones.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -1297,3 +1298,209 @@ def test_convert_dequantize_decodes_every_block_type_gguf_decodes(tmp_path: Path
     assert set(got) == set(want)
     for name, tensor in got.items():
         assert torch.equal(tensor.view(torch.int32), want[name].view(torch.int32)), name
+
+
+def _llama_gguf(
+    path: Path,
+    qtype: str,
+    *,
+    tied: bool = False,
+    rope_scaling: dict[str, object] | None = None,
+    architecture: str = "llama",
+) -> dict[str, torch.Tensor]:
+    """A tiny random `LlamaForCausalLM` (GQA: 4 heads, 2 kv heads) written as llama.cpp's
+    `convert_hf_to_gguf.py` writes a Llama: its tensor names (gguf's own name map), q/k rows
+    permuted by `LlamaModel.permute`, the metadata llama.cpp's loader reads, a Llama 3
+    rope scaling as the `rope_freqs.weight` factor table; weights of 2 dims in `qtype` (`F32`,
+    `F16` or a block type), norms F32. Returns the model's state dict."""
+    import math
+
+    import gguf
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, theta = 4, 2, 64, 500000.0
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=dim,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+    )
+    model = LlamaForCausalLM(config)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def permute(weights: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's, verbatim
+        return (
+            weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape)
+        )
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_name("tiny")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(128)
+    writer.add_embedding_length(dim)
+    writer.add_feed_forward_length(96)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(theta)
+    writer.add_rope_dimension_count(dim // heads)
+    writer.add_vocab_size(64)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}" for i in range(64)])
+    writer.add_bos_token_id(60)
+    writer.add_eos_token_id(61)
+    if rope_scaling is not None:  # llama.cpp's LlamaModel.generate_extra_tensors
+        head_dim = dim // heads
+        freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        factor = float(rope_scaling["factor"])  # type: ignore[arg-type]
+        low, high = 8192 / 1.0, 8192 / 4.0
+        factors = []
+        for freq in freqs:
+            wavelen = 2 * math.pi / freq
+            if wavelen < high:
+                factors.append(1)
+            elif wavelen > low:
+                factors.append(factor)
+            else:
+                smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        writer.add_tensor("rope_freqs.weight", torch.tensor(factors).float().numpy())
+    for name, tensor in state.items():
+        if tied and name == "lm_head.weight":
+            continue
+        data = tensor.float().numpy()
+        if name.endswith("q_proj.weight"):
+            data = permute(data, heads)
+        elif name.endswith("k_proj.weight"):
+            data = permute(data, kv_heads)
+        target = names.get_name(name, try_suffixes=(".weight",))
+        assert target is not None, name
+        if data.ndim == 1 or qtype == "F32":
+            writer.add_tensor(target, data.astype(np.float32))
+        elif qtype == "F16":
+            writer.add_tensor(target, data.astype(np.float16))
+        else:
+            kind = GGMLQuantizationType[qtype]
+            blocks = quantize(data, kind)
+            writer.add_tensor(target, blocks, raw_shape=blocks.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return state
+
+
+def test_convert_to_hf_gives_the_model_transformers_loads_from_the_gguf(tmp_path: Path) -> None:
+    """`convert model.gguf out/ --to hf` refused every GGUF ("no known model architecture
+    matches these tensor names"): `--to safetensors` gave llama.cpp's names, its q/k row
+    order and no config.json, no model transformers loads. A Llama GGUF now exports as a
+    `from_pretrained` folder: transformers' names, q/k rows permuted back, config.json from
+    the metadata; its state dict equals transformers' own GGUF load bit for bit (F32, F16 with
+    tied embeddings, Q8_0 dequantized), and the F32 one the model it was written from."""
+    from transformers import AutoModelForCausalLM
+
+    for qtype, tied in (("F32", False), ("F16", True), ("Q8_0", False)):
+        src = tmp_path / qtype / "model.gguf"
+        src.parent.mkdir()
+        original = _llama_gguf(src, qtype, tied=tied)
+        out = tmp_path / f"{qtype}-hf"
+        options = ["--dequantize"] if qtype == "Q8_0" else []
+        result = run_ckpt("convert", src, out, "--to", "hf", "--dtype", "fp32", *options)
+        assert result.exit_code == 0, result.stderr
+        assert "llama3: gguf names -> hf names" in result.stdout
+        assert "4 rotary-permute" in result.stdout
+        assert "tokenizer" in result.stderr and "gguf_file='model.gguf'" in result.stderr
+
+        config = json.loads((out / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"]
+        assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
+        assert config["rms_norm_eps"] == 1e-05 and config["rope_theta"] == 500000.0
+        assert (config["bos_token_id"], config["eos_token_id"]) == (60, 61)
+        assert config["tie_word_embeddings"] is tied
+
+        reference = AutoModelForCausalLM.from_pretrained(
+            src.parent, gguf_file=src.name, dtype=torch.float32
+        ).state_dict()
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+        assert set(got) == set(reference)
+        for name, tensor in got.items():
+            assert torch.equal(tensor, reference[name]), (qtype, name)
+        if qtype == "F32":
+            for name, tensor in got.items():
+                assert torch.equal(tensor, original[name]), name
+
+
+def test_convert_to_hf_reads_llama_3_rope_scaling_from_the_gguf_factor_table(
+    tmp_path: Path,
+) -> None:
+    """llama.cpp keeps a Llama 3.1 rope scaling as a `rope_freqs.weight` table of factors,
+    not metadata. The export recognises the table llama.cpp computes and writes the scaling
+    into config.json, so the model runs as the one converted (transformers' own GGUF load
+    drops it); a table that is no such scaling is refused (exit 4), not dropped."""
+    from transformers import AutoModelForCausalLM
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    src = tmp_path / "model.gguf"
+    original = _llama_gguf(src, "F32", rope_scaling=dict(scaling))  # the config takes it over
+    result = run_ckpt("convert", src, tmp_path / "hf", "--to", "hf")
+    assert result.exit_code == 0, result.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["rope_scaling"] == scaling
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    got = model.state_dict()
+    assert all(torch.equal(got[n], t) for n, t in original.items())
+
+    # the same model with a table no llama3 scaling gives
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(str(src))
+    bent = tmp_path / "bent.gguf"
+    writer = GGUFWriter(str(bent), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("llama.") or key.startswith("tokenizer."):
+            writer.add_key_value(key, field.contents(), field.types[0], field.types[-1])
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        if tensor.name == "rope_freqs.weight":
+            data = data * 1.5
+        writer.add_tensor(tensor.name, data.reshape([int(n) for n in reversed(tensor.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    refused = run_ckpt("convert", bent, tmp_path / "bent-hf", "--to", "hf")
+    assert refused.exit_code == 4, refused.stderr
+    assert "rope_freqs.weight" in refused.stderr and "llama3" in refused.stderr
+    assert not (tmp_path / "bent-hf").exists()
+
+
+def test_convert_to_hf_refuses_a_gguf_architecture_it_does_not_map(tmp_path: Path) -> None:
+    """A GGUF of an architecture ckpt has no rules for (a `qwen2`, whose q/k/v biases the
+    Llama rules do not carry) is refused naming its architecture (exit 4), nothing written."""
+    src = tmp_path / "qwen.gguf"
+    _llama_gguf(src, "F32", architecture="qwen2")
+    result = run_ckpt("convert", src, tmp_path / "hf", "--to", "hf")
+    assert result.exit_code == 4, result.stderr
+    assert "llama.cpp architecture 'qwen2'" in result.stderr
+    assert "--to safetensors" in result.stderr
+    assert not (tmp_path / "hf").exists()

@@ -85,6 +85,8 @@ class ModelArgs(Record):
         num_experts / experts_per_token / moe_ffn_dim: MoE layers (None for dense models).
         norm_topk_prob: the router renormalises the top-k scores (MoE).
         dtype: the weights' dtype token (`bf16`...), for `config.json`'s `torch_dtype`.
+        bos_token_id / eos_token_id: the tokenizer's begin and end of sequence token ids
+            (a GGUF's metadata names them), for `config.json` (generation stops at the eos).
         config: the Hugging Face `config.json` these args came from, when one was given: an
             export writes it unchanged rather than one rebuilt from the args.
     """
@@ -108,6 +110,8 @@ class ModelArgs(Record):
     moe_ffn_dim: int | None = None
     norm_topk_prob: bool | None = None
     dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
     config: dict[str, Any] | None = None
 
     def merged(self, other: ModelArgs) -> ModelArgs:

@@ -18,6 +18,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from . import gguf
 from .base import (
     HF,
     Architecture,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from ..formats.base import Checkpoint
 
 TITAN = "torchtitan"
+GGUF = gguf.GGUF
 
 #: the tensors every decoder family here shares, as (HF pattern, torchtitan pattern)
 _COMMON = (
@@ -136,6 +138,7 @@ class _Decoder(Architecture):
     tied: ClassVar[Mapping[str, tuple[str, str]]] = {
         HF: (_COMMON[0][0], _COMMON[-1][0]),
         TITAN: (_COMMON[0][1], _COMMON[-1][1]),
+        GGUF: ("token_embd.weight", "output.weight"),
     }
     # Megatron shares the embedding with the output (share_embeddings_and_output_weights)
     # by leaving `output_layer.weight` out
@@ -148,6 +151,8 @@ class _Decoder(Architecture):
     def args_from_shapes(cls, shapes: Mapping[str, Sequence[int]], naming: str) -> ModelArgs:
         if naming == MEGATRON:
             return megatron_args_from_shapes(shapes)
+        if naming == GGUF:
+            return cls.args_from_shapes(gguf.to_hf_names(shapes), HF)
 
         def shape(hf: str, native: str) -> Sequence[int] | None:
             return shapes.get(hf if naming == HF else native)
@@ -187,6 +192,8 @@ class _Decoder(Architecture):
     def shape_conflicts(
         cls, shapes: Mapping[str, Sequence[int]], naming: str, args: ModelArgs
     ) -> list[str]:
+        if naming == GGUF:
+            return cls.shape_conflicts(gguf.to_hf_names(shapes), HF, args)
         if naming not in (HF, TITAN):  # Megatron's fused tensors: its args come with it
             return []
         heads, dim = args.n_heads, args.dim
@@ -221,6 +228,8 @@ class _Decoder(Architecture):
     def args_from_source(cls, checkpoint: Checkpoint, naming: str) -> ModelArgs:
         if naming == MEGATRON:
             return megatron_args_from_checkpoint(checkpoint)
+        if naming == GGUF:
+            return gguf.args_from_metadata(checkpoint, cls.title)
         return ModelArgs()
 
     @classmethod
@@ -314,6 +323,10 @@ class _Decoder(Architecture):
             # transformers 4 and llama.cpp's converter read the scaling from the legacy key
             # beside `rope_theta`, and without it run the model unscaled: the same values
             config["rope_scaling"] = _legacy_rope_scaling(args.rope_scaling)
+        if args.bos_token_id is not None:
+            config["bos_token_id"] = args.bos_token_id
+        if args.eos_token_id is not None:
+            config["eos_token_id"] = args.eos_token_id
         if args.dtype is not None:
             config["torch_dtype"] = args.dtype  # canonical tokens are torch's names
         return config
@@ -345,11 +358,18 @@ class Llama3(_Decoder):
         ],
         # Megatron-Core's GPTModel built Llama-style (RMSNorm, SwiGLU, GQA, rotary, no bias)
         MEGATRON: MEGATRON_RULES,
+        # llama.cpp's names; its converter permutes q/k into the interleaved layout too
+        GGUF: [
+            *_renames(gguf.RENAMES),
+            RotaryPermute(one(gguf.Q[0]), one(gguf.Q[1]), heads="n_heads"),
+            RotaryPermute(one(gguf.K[0]), one(gguf.K[1]), heads="n_kv_heads"),
+        ],
     }
     ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {
         HF: _HF_IGNORED,
         TITAN: _TITAN_IGNORED,
         MEGATRON: MEGATRON_IGNORED,
+        GGUF: (Ignored(gguf.ROPE_FREQS, "rotary frequency factors (config.json's rope_scaling)"),),
     }
 
 

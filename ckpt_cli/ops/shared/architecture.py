@@ -348,10 +348,15 @@ def map_plan(
             tensors), a tensor no rule maps, or an arg the mapping needs is unknown.
     """
     from ...architectures import unrecognised
+    from ...architectures.gguf import tokenizer_note, unmapped
     from ...architectures.mapped import MappedCheckpoint
 
     with _naming(checkpoint.manifest.location):
         where = checkpoint.manifest.location
+        # a GGUF names its architecture: one no family maps is refused by that name
+        gguf_refusal = unmapped(checkpoint, target)
+        if gguf_refusal is not None:
+            raise gguf_refusal
         tensors = [i for i in plan.items if i.source.kind == "tensor"]
         skipped = list(plan.skipped)
         for item in plan.items:
@@ -382,6 +387,9 @@ def map_plan(
         # the dtype written: config.json's torch_dtype says what the weights are after --dtype
         dtype = cast or (max(set(dtypes), key=dtypes.count) if dtypes else None)
         warnings = _same_family(arch, model_type, where) if config is not None else []
+        if target == HF:
+            note = tokenizer_note(checkpoint, target)
+            warnings += [note] if note is not None else []
         args = _args(arch, shapes, naming, config, dtype, where, checkpoint)
         if flavor is not None:
             from ...architectures.flavors import flavor_args
