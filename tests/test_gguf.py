@@ -1307,22 +1307,28 @@ def _llama_gguf(
     tied: bool = False,
     rope_scaling: dict[str, object] | None = None,
     architecture: str = "llama",
+    qwen3_head_dim: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """A tiny random `LlamaForCausalLM` (GQA: 4 heads, 2 kv heads) written as llama.cpp's
     `convert_hf_to_gguf.py` writes a Llama: its tensor names (gguf's own name map), q/k rows
     permuted by `LlamaModel.permute`, the metadata llama.cpp's loader reads, a Llama 3
     rope scaling as the `rope_freqs.weight` factor table; weights of 2 dims in `qtype` (`F32`,
-    `F16` or a block type), norms F32. Returns the model's state dict."""
+    `F16` or a block type), norms F32. With `qwen3_head_dim`, a `Qwen3ForCausalLM` of that
+    head width written as llama.cpp writes a Qwen3 (rows as they are, `attention.key_length`).
+    Returns the model's state dict."""
     import math
 
     import gguf
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     heads, kv_heads, dim, theta = 4, 2, 64, 500000.0
-    config = LlamaConfig(
+    qwen3 = qwen3_head_dim is not None
+    head_dim = qwen3_head_dim or dim // heads
+    config = (Qwen3Config if qwen3 else LlamaConfig)(
+        head_dim=head_dim,
         vocab_size=64,
         hidden_size=dim,
         intermediate_size=96,
@@ -1335,7 +1341,7 @@ def _llama_gguf(
         max_position_embeddings=128,
         tie_word_embeddings=tied,
     )
-    model = LlamaForCausalLM(config)
+    model = (Qwen3ForCausalLM if qwen3 else LlamaForCausalLM)(config)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def permute(weights: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's, verbatim
@@ -1345,7 +1351,8 @@ def _llama_gguf(
             .reshape(weights.shape)
         )
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    kind = gguf.MODEL_ARCH.QWEN3 if qwen3 else gguf.MODEL_ARCH.LLAMA
+    names = gguf.get_tensor_name_map(kind, config.num_hidden_layers)
     writer = GGUFWriter(str(path), architecture)
     writer.add_name("tiny")
     writer.add_block_count(config.num_hidden_layers)
@@ -1356,7 +1363,10 @@ def _llama_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(theta)
-    writer.add_rope_dimension_count(dim // heads)
+    writer.add_rope_dimension_count(head_dim)
+    if qwen3:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_vocab_size(64)
     writer.add_tokenizer_model("llama")
     writer.add_token_list([f"t{i}" for i in range(64)])
@@ -1382,7 +1392,9 @@ def _llama_gguf(
         if tied and name == "lm_head.weight":
             continue
         data = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
+        if qwen3:
+            pass  # llama.cpp writes a Qwen3's rows as they are (NEOX rope)
+        elif name.endswith("q_proj.weight"):
             data = permute(data, heads)
         elif name.endswith("k_proj.weight"):
             data = permute(data, kv_heads)
@@ -1504,3 +1516,31 @@ def test_convert_to_hf_refuses_a_gguf_architecture_it_does_not_map(tmp_path: Pat
     assert "llama.cpp architecture 'qwen2'" in result.stderr
     assert "--to safetensors" in result.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_convert_to_hf_maps_a_qwen3_gguf(tmp_path: Path) -> None:
+    """A llama.cpp `qwen3` GGUF (q/k norms, rows as they are) exports as a `Qwen3ForCausalLM`
+    folder equal to the model it was written from, with a head width other than hidden/heads
+    (read from `attention.key_length`); at Qwen3's head width of 128 (the only one
+    transformers' own GGUF load builds: it reads no head_dim), equal to that load bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    for head_dim in (16, 128):
+        src = tmp_path / f"qwen3-{head_dim}" / "model.gguf"
+        src.parent.mkdir()
+        original = _llama_gguf(src, "F32", architecture="qwen3", qwen3_head_dim=head_dim)
+        out = tmp_path / f"hf-{head_dim}"
+        result = run_ckpt("convert", src, out, "--to", "hf")
+        assert result.exit_code == 0, result.stderr
+        assert "qwen3: gguf names -> hf names" in result.stdout
+        config = json.loads((out / "config.json").read_text())
+        assert (config["architectures"], config["head_dim"]) == (["Qwen3ForCausalLM"], head_dim)
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+        assert set(got) == set(original)
+        for name, tensor in got.items():
+            assert torch.equal(tensor, original[name]), name
+        if head_dim == 128:
+            reference = AutoModelForCausalLM.from_pretrained(
+                src.parent, gguf_file=src.name, dtype=torch.float32
+            ).state_dict()
+            assert all(torch.equal(got[n], reference[n]) for n in reference)

@@ -1,11 +1,13 @@
-"""llama.cpp's GGUF naming of a Llama, and the model args its metadata holds.
+"""llama.cpp's GGUF naming of a Llama and a Qwen3, and the model args its metadata holds.
 
 llama.cpp's `convert_hf_to_gguf.py` writes a `LlamaForCausalLM` (and a Mistral, which it
 converts as a Llama) under its own names: `model.layers.0.self_attn.q_proj.weight` becomes
 `blk.0.attn_q.weight`. It reorders the q and k rows of each head into the interleaved rotary
 layout (`LlamaModel.permute`, what ggml's rope of a `llama` file expects), so on the way back
 they are permuted into transformers' halves layout (`RotaryPermute`, exactly what
-transformers' own GGUF loader's `_reverse_permute_weights` does). The rest are renames.
+transformers' own GGUF loader's `_reverse_permute_weights` does). The rest are renames. A
+Qwen3 (`qwen3` files: ggml's NEOX rope, the halves layout) is written with its rows as they
+are, and its q/k norms as `attn_q_norm` / `attn_k_norm`: renames only.
 
 A GGUF holds no `config.json`: the model's settings are metadata key-values
 (`llama.block_count`, `llama.attention.head_count`, `llama.rope.freq_base`...), read here into
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 GGUF = "gguf"
 
 #: llama.cpp `general.architecture` -> the family token whose `gguf` naming maps it
-ARCHITECTURES = {"llama": "llama3"}
+ARCHITECTURES = {"llama": "llama3", "qwen3": "qwen3"}
 
 #: (Hugging Face pattern, llama.cpp pattern) of the tensors renamed as they are
 RENAMES = (
@@ -54,6 +56,11 @@ RENAMES = (
 #: the q and k projections, rows permuted by llama.cpp's `LlamaModel.permute`
 Q = ("model.layers.{layer}.self_attn.q_proj.weight", "blk.{layer}.attn_q.weight")
 K = ("model.layers.{layer}.self_attn.k_proj.weight", "blk.{layer}.attn_k.weight")
+#: Qwen3's per-head q/k RMSNorms
+QK_NORMS = (
+    ("model.layers.{layer}.self_attn.q_norm.weight", "blk.{layer}.attn_q_norm.weight"),
+    ("model.layers.{layer}.self_attn.k_norm.weight", "blk.{layer}.attn_k_norm.weight"),
+)
 #: llama.cpp's table of rotary frequency factors (Llama 3.1's rope scaling)
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -70,7 +77,7 @@ def to_hf_names(shapes: Mapping[str, Sequence[int]]) -> dict[str, Sequence[int]]
     import re
 
     out: dict[str, Sequence[int]] = {}
-    for hf, native in (*RENAMES, Q, K):
+    for hf, native in (*RENAMES, Q, K, *QK_NORMS):
         regex = re.compile(re.escape(native).replace(r"\{layer\}", r"(\d+)") + r"\Z")
         for name, shape in shapes.items():
             m = regex.match(name)
@@ -96,8 +103,8 @@ def unmapped(checkpoint: Checkpoint, target: str) -> FormatError | None:
         return None
     return FormatError(
         f"is a GGUF of llama.cpp architecture {architecture or '(none)'!r}, which ckpt does not "
-        f"map to the {target} naming (it maps: {', '.join(ARCHITECTURES)}, the architecture "
-        "llama.cpp gives Llama and Mistral models)",
+        f"map to the {target} naming (it maps: {', '.join(ARCHITECTURES)}; llama.cpp gives "
+        "Llama and Mistral models the architecture llama)",
         path=checkpoint.manifest.location,
         fix="Convert it with --to safetensors (add --dequantize for quantized tensors) to keep "
         "llama.cpp's names, or load it with transformers' own GGUF support "
@@ -131,20 +138,29 @@ def _float32(value: float) -> float:
     return value
 
 
-def args_from_metadata(checkpoint: Checkpoint, title: str) -> ModelArgs:
+def args_from_metadata(checkpoint: Checkpoint, family: str, title: str) -> ModelArgs:
     """The model args a GGUF's metadata holds (`llama.block_count`, head counts, rotary base
     and scaling, norm epsilon, context length, token ids).
 
     Raises:
         FormatError: a setting the Hugging Face model cannot hold (partial rotary, per-layer
-            head counts, a rope scaling other than linear or Llama 3's), or an architecture
-            this naming does not map.
+            head counts, a rope scaling other than linear or Llama 3's), an architecture
+            this naming does not map, or one that is not the family `family` whose tensor
+            names these are.
     """
     where = checkpoint.manifest.location
     architecture = gguf_architecture(checkpoint) or ""
     error = unmapped(checkpoint, "hf")
     if error is not None:
         raise error
+    if ARCHITECTURES[architecture] != family:
+        raise FormatError(
+            f"is a GGUF of llama.cpp architecture {architecture!r}, but its tensors are "
+            f"named as a {title} model's: the file's metadata and tensors disagree",
+            path=where,
+            fix="Convert the model to GGUF again, or convert it with --to safetensors to keep "
+            "llama.cpp's names.",
+        )
     metadata: Mapping[str, Any] = checkpoint.manifest.details.get("metadata") or {}
 
     def key(name: str) -> Any:

@@ -229,7 +229,7 @@ class _Decoder(Architecture):
         if naming == MEGATRON:
             return megatron_args_from_checkpoint(checkpoint)
         if naming == GGUF:
-            return gguf.args_from_metadata(checkpoint, cls.title)
+            return gguf.args_from_metadata(checkpoint, cls.name, cls.title)
         return ModelArgs()
 
     @classmethod
@@ -384,12 +384,15 @@ class Qwen3(_Decoder):
     hf_model_type = "qwen3"
     torchtitan_models = "torchtitan.models.qwen3"
     rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
-        TITAN: _renames((*_COMMON, _Q, _K, *_QK_NORMS, *_DENSE_MLP))
+        TITAN: _renames((*_COMMON, _Q, _K, *_QK_NORMS, *_DENSE_MLP)),
+        # llama.cpp writes a Qwen3's q/k rows as they are (NEOX rope: the halves layout)
+        GGUF: _renames((*gguf.RENAMES, gguf.Q, gguf.K, *gguf.QK_NORMS)),
     }
     ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {HF: _HF_IGNORED, TITAN: _TITAN_IGNORED}
     markers: ClassVar[Mapping[str, Sequence[str]]] = {
         HF: (_QK_NORMS[0][0],),
         TITAN: (_QK_NORMS[0][1],),
+        GGUF: (gguf.QK_NORMS[0][1],),
     }
 
 
