@@ -1544,3 +1544,17 @@ def test_convert_to_hf_maps_a_qwen3_gguf(tmp_path: Path) -> None:
                 src.parent, gguf_file=src.name, dtype=torch.float32
             ).state_dict()
             assert all(torch.equal(got[n], reference[n]) for n in reference)
+
+
+def test_convert_to_hf_of_a_quantized_gguf_asks_for_dequantize(tmp_path: Path) -> None:
+    """`--to hf` of a Q8_0 GGUF without `--dequantize` said "no known model architecture
+    matches these 5 tensor names ... needs tensors this model lacks: 'token_embd.weight'", as
+    if the file were no Llama: its quantized weights were no tensors to map. It now says the
+    file holds quantized blocks and names `--dequantize` (exit 4, nothing written)."""
+    src = tmp_path / "model.gguf"
+    _llama_gguf(src, "Q8_0")
+    result = run_ckpt("convert", src, tmp_path / "hf", "--to", "hf")
+    assert result.exit_code == 4, result.stderr
+    assert "Q8_0" in result.stderr and "--dequantize" in result.stderr
+    assert "no known model architecture" not in result.stderr
+    assert not (tmp_path / "hf").exists()

@@ -32,6 +32,7 @@ from ..shared.architecture import (
     map_plan,
     naming_format,
     refuse_adapter,
+    refuse_block_quantized_naming,
     refuse_quantized_naming,
     source_config,
 )
@@ -365,6 +366,7 @@ def convert(
         analysis = analyse_checkpoint(base.manifest, base.storage)
         if naming is not None and not dequantize:
             refuse_quantized_naming(analysis, naming, src)
+            refuse_block_quantized_naming(base, naming)
         checkpoint, dequantizable = _readable(base, analysis, src, dequantize, cast)
         manifest = checkpoint.manifest
         # a chosen component that cannot be read is the error (exit 4, naming it), before the

@@ -484,6 +484,32 @@ def refuse_quantized_naming(analysis: QuantAnalysis, target: str, where: str) ->
     )
 
 
+def refuse_block_quantized_naming(checkpoint: Checkpoint, target: str) -> None:
+    """Refuse to map a format's own block-quantized tensors (a GGUF's Q4_K, Q8_0...) without
+    `--dequantize`: they are no tensors a rule maps, so the mapping saw a model without its
+    weights and called it no known architecture.
+
+    Raises:
+        FormatError: naming the block types and `--dequantize`.
+    """
+    blocks = checkpoint.block_quantized()
+    if not blocks:
+        return
+    entries = checkpoint.manifest.by_name
+    kinds: dict[str, int] = {}
+    for name in blocks:
+        kind = entries[name].dtype or "?"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    shown = ", ".join(f"{kind} ×{count}" for kind, count in sorted(kinds.items()))
+    raise FormatError(
+        f"holds {len(blocks)} quantized tensor(s) in {checkpoint.manifest.format} blocks "
+        f"({shown}), which the {target} naming holds only dequantized",
+        path=checkpoint.manifest.location,
+        fix=f"Pass --dequantize: --to {target} then writes them in full precision (bfloat16, "
+        "or --dtype fp32 for the decoded values exactly).",
+    )
+
+
 def refuse_filtered_parameters(checkpoint: Checkpoint, plan: TransferPlan, target: str) -> None:
     """Refuse a plan that leaves out tensors of the modules it maps: a `q_proj.bias` beside a
     `q_proj.weight` the plan carries is part of that projection, so the model computes with
