@@ -307,6 +307,46 @@ def test_config_contradicting_the_weights_is_refused(tmp_path: Path) -> None:
     assert "config.json gives dim=4096, but the weights have dim=32" in message
 
 
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"hidden_size": "abc"}, "hidden_size='abc'"),
+        ({"num_attention_heads": 0}, "num_attention_heads=0"),
+        ({"num_key_value_heads": -2}, "num_key_value_heads=-2"),
+        ({"num_hidden_layers": 2.5}, "num_hidden_layers=2.5"),
+        ({"head_dim": [8]}, "head_dim=[8]"),
+        ({"rope_theta": "fast"}, "rope_theta='fast'"),
+        ({"rms_norm_eps": "x"}, "rms_norm_eps='x'"),
+        ({"max_position_embeddings": "long"}, "max_position_embeddings='long'"),
+    ],
+    ids=[
+        "str-width",
+        "zero-heads",
+        "negative-kv-heads",
+        "float-layers",
+        "list",
+        "theta",
+        "eps",
+        "positions",
+    ],
+)
+def test_a_config_json_value_no_model_has_is_refused_naming_it(
+    tmp_path: Path, change: dict[str, Any], named: str
+) -> None:
+    """A damaged or hand-edited config.json (a width that is a string, zero heads, half a
+    layer) was an internal error (exit 70: pydantic's traceback, a division by zero): ckpt
+    now refuses it (exit 4) naming the key and its value, and writes nothing."""
+    _llama_hf(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    r = run_ckpt("convert", tmp_path / "hf", tmp_path / "out", "--to", "torchtitan")
+    assert r.exit_code == 4, r.stdout + r.stderr
+    message = " ".join(r.stderr.split())
+    assert f"in config.json, {named} is a value no model has" in message, message
+    assert "--config" in message
+    assert not (tmp_path / "out").exists()
+
+
 def test_recognise_tells_families_apart() -> None:
     from ckpt_cli.architectures import recognise
 

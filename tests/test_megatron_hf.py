@@ -439,6 +439,37 @@ def test_a_megatron_model_that_is_not_llama_style_is_refused(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"hidden_size": "abc"}, "hidden_size='abc'"),
+        ({"num_attention_heads": 0}, "num_attention_heads=0"),
+        ({"kv_channels": [8]}, "kv_channels=[8]"),
+        ({"rotary_percent": "half"}, "could not convert string to float: 'half'"),
+    ],
+    ids=["str-width", "zero-heads", "list", "rotary-percent"],
+)
+def test_megatron_args_no_model_has_are_refused_naming_them(
+    hf_model: tuple[Path, torch.Tensor], tmp_path: Path, change: dict[str, Any], named: str
+) -> None:
+    """A Megatron save whose common.pt holds args no model has (a width that is a string,
+    zero heads) was an internal error on export (exit 70: pydantic's or float's traceback);
+    it is refused (exit 4) naming common.pt and the arg, and nothing is written."""
+    source, _ = hf_model
+    there = tmp_path / "megatron"
+    assert run_ckpt("convert", source, there, "--to", "megatron").exit_code == 0
+    (there / "config.json").unlink()  # the args are all the export reads
+    common = torch.load(there / "common.pt", weights_only=False)
+    common["args"] = argparse.Namespace(**(vars(common["args"]) | change))
+    torch.save(common, there / "common.pt")
+    result = run_ckpt("convert", there, tmp_path / "hf", "--to", "hf")
+    assert result.exit_code == 4, result.stdout + result.stderr
+    message = " ".join(result.stderr.split())
+    assert "common.pt" in message and "in Megatron's args," in message, message
+    assert named in message and "a value no model has" in message, message
+    assert not (tmp_path / "hf").exists()
+
+
 def test_an_hf_rope_scaling_megatron_cannot_apply_is_refused_on_import(
     hf_model: tuple[Path, torch.Tensor], tmp_path: Path
 ) -> None:

@@ -26,13 +26,14 @@ so N-to-1 and 1-to-N rules are as natural as renames.
 
 from __future__ import annotations
 
+import math
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, ValidationError
 
 from ..errors import FormatError
 from ..models import Record
@@ -61,6 +62,78 @@ NATIVE_NAMINGS = ("torchtitan", "megatron")
 NAMINGS = (HF, *NATIVE_NAMINGS)
 
 Direction = Literal["to_hf", "from_hf"]
+
+
+#: the args that count or measure something (a source giving 0 or less is no model's)...
+POSITIVE_ARGS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "vocab_size",
+    "ffn_dim",
+    "max_position_embeddings",
+    "num_experts",
+    "experts_per_token",
+    "moe_ffn_dim",
+)
+#: ... and the real-valued ones
+FINITE_ARGS = ("norm_eps", "rope_theta")
+#: the Hugging Face config.json key each arg comes from, for errors
+HF_CONFIG_KEYS = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
+    "experts_per_token": "num_experts_per_tok",
+    "moe_ffn_dim": "moe_intermediate_size",
+    "norm_eps": "rms_norm_eps",
+}
+
+
+def checked_args(
+    build: Callable[[], ModelArgs], where: str, what: str, keys: Mapping[str, str], fix: str
+) -> ModelArgs:
+    """The args `build` reads from a source's own record of them (`what`: `config.json`,
+    Megatron's `args`), refusing values no model has: a count or width that is no positive
+    integer (`"hidden_size": "abc"`, 0 heads, 2.5 layers), a rotary base or norm epsilon that
+    is no finite number. `keys` names each arg as the source does, and `fix` says what to do,
+    for the error.
+
+    Raises:
+        FormatError: naming `where`, the key and its value, before any rule divides by it.
+    """
+
+    def bad(field_name: str | None, value: object, why: str) -> FormatError:
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        key = keys.get(field_name, field_name) if field_name is not None else None
+        said = f"{key}={shown}" if key is not None else "a value"
+        return FormatError(
+            f"in {what}, {said} is a value no model has ({why})",
+            path=where,
+            fix=fix,
+        )
+
+    try:
+        args = build()
+    except ValidationError as e:
+        first = e.errors()[0]
+        field_name = str(first["loc"][0]) if first["loc"] else None
+        raise bad(field_name, first["input"], first["msg"].lower()) from None
+    except (TypeError, ValueError, ArithmeticError) as e:
+        raise bad(None, None, str(e)) from None
+    for field_name in POSITIVE_ARGS:
+        value = getattr(args, field_name)
+        if value is not None and value <= 0:
+            raise bad(field_name, value, "a count or width is positive")
+    for field_name in FINITE_ARGS:
+        value = getattr(args, field_name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise bad(field_name, value, "it is a finite number, 0 or more")
+    return args
 
 
 class ModelArgs(Record):
@@ -656,6 +729,19 @@ class Architecture(ABC):
     @abstractmethod
     def args_from_config(cls, config: Mapping[str, Any]) -> ModelArgs:
         """The args a Hugging Face `config.json` of this family gives (with `config` set)."""
+
+    @classmethod
+    def config_args(cls, config: Mapping[str, Any], where: str) -> ModelArgs:
+        """`args_from_config`, refusing a `config.json` whose values no model has
+        (`checked_args`): FormatError naming `where`, the key and its value."""
+        return checked_args(
+            lambda: cls.args_from_config(config),
+            where,
+            "config.json",
+            HF_CONFIG_KEYS,
+            "Pass the model's own config.json with --config (counts and widths are positive "
+            "integers, rope_theta and rms_norm_eps finite numbers).",
+        )
 
     @classmethod
     def config_conflicts(cls, config: Mapping[str, Any]) -> list[str]:

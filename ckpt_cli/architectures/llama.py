@@ -116,7 +116,7 @@ def _count_layers(shapes: Mapping[str, Sequence[int]], naming: str) -> int | Non
     return max(layers) + 1 if layers else None
 
 
-def _rope_from_config(config: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
+def _rope_from_config(config: Mapping[str, Any]) -> tuple[Any, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from a transformers 4 (`rope_theta`, `rope_scaling`) or 5
     (`rope_parameters`) config."""
     params = config.get("rope_parameters")
@@ -124,12 +124,10 @@ def _rope_from_config(config: Mapping[str, Any]) -> tuple[float | None, dict[str
         theta = params.get("rope_theta", config.get("rope_theta"))
         rest = {k: v for k, v in params.items() if k != "rope_theta"}
         scaling = rest if rest.get("rope_type", "default") != "default" else None
-        return (float(theta) if theta is not None else None), scaling
-    theta = config.get("rope_theta")
+        return theta, scaling
     scaling = config.get("rope_scaling")
-    return (float(theta) if theta is not None else None), (
-        dict(scaling) if isinstance(scaling, dict) else None
-    )
+    # the number is judged as ModelArgs takes it (`Architecture.config_args` names a bad one)
+    return config.get("rope_theta"), (dict(scaling) if isinstance(scaling, dict) else None)
 
 
 class _Decoder(Architecture):

@@ -55,6 +55,7 @@ from .base import (
     Rename,
     TensorReads,
     TensorRule,
+    checked_args,
     one,
 )
 
@@ -505,7 +506,29 @@ def args_from_checkpoint(checkpoint: Checkpoint) -> ModelArgs:
         args = args.state
     if not isinstance(args, dict):
         return ModelArgs()
-    return args_from_megatron(args, storage.describe(MEGATRON_COMMON))
+    where = storage.describe(MEGATRON_COMMON)
+    return checked_args(
+        lambda: args_from_megatron(args, where),
+        where,
+        "Megatron's args",
+        MEGATRON_KEYS,
+        "The save's common.pt is damaged or was edited: restore it from the run that wrote "
+        "it (Megatron-LM writes the same args in every save of the run).",
+    )
+
+
+#: Megatron-LM's name of each model arg, for errors
+MEGATRON_KEYS = {
+    "dim": "hidden_size",
+    "n_layers": "num_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_query_groups",
+    "head_dim": "kv_channels",
+    "vocab_size": "padded_vocab_size",
+    "ffn_dim": "ffn_hidden_size",
+    "norm_eps": "norm_epsilon",
+    "rope_theta": "rotary_base",
+}
 
 
 def naming_output(args: ModelArgs, family: str) -> NamingOutput:

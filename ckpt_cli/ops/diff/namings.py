@@ -160,7 +160,9 @@ def line_up_namings(
             fix=f"Its namings: {', '.join(arch.namings())}.",
         )
     sides = ((a, aligned_a, rec_a.naming), (b, aligned_b, rec_b.naming))
-    args = _args(arch, sides, next((c for c in configs if c), None), flavor)
+    # the config the mapping reads, and where it is: --config, else the first side holding one
+    config_where = "--config" if config else a.where if configs[0] else b.where
+    args = _args(arch, sides, next((c for c in configs if c), None), config_where, flavor)
     out: list[NamedSide] = []
     transforms: list[dict[str, int]] = []
     left_out: list[list[LeftOut]] = []
@@ -258,10 +260,12 @@ def _args(
     arch: type[Architecture],
     sides: tuple[tuple[NamedSide, dict[str, Entry], str], ...],
     config: dict[str, Any] | None,
+    config_where: str,
     flavor: str | None,
 ) -> ModelArgs:
     """What the mapping needs: each side's shapes and own args (a Megatron save's), completed
-    by `config` and `flavor`, which must agree with the weights of both sides."""
+    by `config` (read from `config_where`) and `flavor`, which must agree with the weights of
+    both sides."""
     found = ModelArgs()
     shapes = []
     for side, aligned, naming in sides:
@@ -273,7 +277,7 @@ def _args(
         found = found.merged(own)
     given: list[tuple[ModelArgs, str]] = []
     if config is not None:
-        given.append((arch.args_from_config(config), "config.json"))
+        given.append((arch.config_args(config, config_where), "config.json"))
     if flavor is not None:
         from ...architectures.flavors import flavor_args
 

@@ -176,7 +176,7 @@ def _args(
             "them is no model ckpt maps (convert it with --to safetensors / dcp to keep its "
             "names).",
         )
-    given = arch.args_from_config(config)
+    given = arch.config_args(config, where)
     agree_args(arch, shapes, naming, found, given, where, "config.json")
     return found.merged(given).model_copy(update={"dtype": dtype})
 
