@@ -415,6 +415,43 @@ def test_one_request_names_the_commit_and_lists_it_and_a_mirror_without_sizes_is
     assert refs.read_text() == hub.repos["model/org/listed"].resolve("main")
 
 
+def test_a_commit_that_is_no_commit_id_never_leads_out_of_the_cache(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """A hostile mirror (HF_ENDPOINT) answers the commit `../../../../elsewhere`: ckpt built the
+    cache's `snapshots/<commit>/` from it and kept it in `refs/`, so a later offline run read
+    a folder outside the cache as the repository (and `download` died in huggingface_hub,
+    exit 70). Such a commit is refused (exit 5) before any path or URL is built from it, from
+    the server and from a cache's `refs/` alike."""
+    state = layered_state(1)
+    commit = publish_model(hub, "org/evil", tmp_path / "src", state)
+    served = hub.repos["model/org/evil"]
+    escape = "../../../../elsewhere"
+    served.commits[escape] = served.commits.pop(commit)
+    served.refs["main"] = escape
+    home = Path(os.environ["HF_HOME"])
+    for command in (("inspect", "hf://org/evil"), ("download", "hf://org/evil", tmp_path / "d")):
+        result = run_ckpt(*command)
+        assert result.exit_code == 5, result.stdout + result.stderr
+        message = " ".join(result.stderr.split())
+        assert "'../../../../elsewhere'" in message and "no git commit id" in message, message
+    assert not (home / "hub" / "models--org--evil" / "refs").exists()
+    assert not (tmp_path / "d").exists()
+    # a cache whose refs/ names a folder outside it (another tool, a damaged cache) offline
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "model.safetensors").write_bytes(
+        (tmp_path / "src" / "model.safetensors").read_bytes()
+    )
+    refs = home / "hub" / "models--org--evil" / "refs"
+    refs.mkdir(parents=True)
+    (refs / "main").write_text(os.path.relpath(elsewhere, refs.parent / "snapshots"))
+    (refs.parent / "snapshots").mkdir()
+    offline = run_ckpt("inspect", "hf://org/evil", env={"HF_HUB_OFFLINE": "1"})
+    assert offline.exit_code == 5, offline.stdout + offline.stderr
+    assert "the local cache's refs/" in " ".join(offline.stderr.split())
+
+
 def test_hub_inspect_does_not_import_torch(hub: TestHub, tmp_path: Path) -> None:
     publish_model(hub, "org/light", tmp_path / "src", layered_state(1))
     probe = (

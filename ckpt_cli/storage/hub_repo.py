@@ -540,6 +540,7 @@ def open_repo(location: Location, settings: HubSettings | None = None) -> HubRep
                     where,
                 ).resolved
             )
+        _check_commit(commit, where, "the local cache's refs/ name")
         if settings.offline:
             return _open_cached(location, settings, commit)
     else:
@@ -561,6 +562,7 @@ def open_repo(location: Location, settings: HubSettings | None = None) -> HubRep
                 fix="Try again later; check HF_ENDPOINT if you use a mirror.",
             )
         commit = info.sha
+        _check_commit(commit, where, "the Hub's answer names")
         _remember_ref(location, settings, commit)
         siblings = info.siblings if isinstance(info, ModelInfo | DatasetInfo | SpaceInfo) else None
         files = _from_siblings(location, siblings)
@@ -587,6 +589,21 @@ def open_repo(location: Location, settings: HubSettings | None = None) -> HubRep
 
 def _is_commit(revision: str | None) -> bool:
     return revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision) is not None
+
+
+def _check_commit(commit: str, where: str, source: str) -> None:
+    """Refuse a resolved commit that is no git commit id (40 hex digits): ckpt and
+    huggingface_hub build cache paths (`snapshots/<commit>/`, `refs/`) and URLs from it, so a
+    server (or a cache) answering `../../elsewhere` would lead them out of the cache."""
+    if not _is_commit(commit):
+        shown = commit if len(commit) <= 60 else commit[:57] + "..."
+        raise HubError(
+            f"{source} commit {shown!r} for this revision, which is no git commit id (40 hex "
+            "digits); ckpt refuses it before building a path or URL from it",
+            path=where,
+            fix="Check HF_ENDPOINT: the Hub and its mirrors answer 40-hex commit ids. A "
+            "damaged local cache: remove the repository's refs/ folder from it.",
+        )
 
 
 def _from_siblings(location: Location, siblings: Any) -> dict[str, RemoteFile] | None:
