@@ -544,6 +544,56 @@ def test_diff_proves_an_export_holds_what_torchtitan_saved(
 @needs_frameworks
 @pytest.mark.frameworks
 @pytest.mark.slow
+def test_a_trained_moe_load_balancing_bias_the_export_drops_is_said_and_diffed(
+    tmp_path: Path,
+) -> None:
+    """A Qwen3-MoE trained by torchtitan with its load-balancing hook (its Trainer's default,
+    `load_balance_coeff=1e-3`) holds non-zero `expert_bias_E`, which routes tokens. The HF
+    Qwen3-MoE has no router bias, so `--to hf` drops it (as torchtitan's own to_hf) and the
+    exported model's logits differ from torchtitan's. The export said nothing of it, and
+    `diff --select model` called the two IDENTICAL in every naming: `--naming torchtitan`
+    left the bias out though the HF side read in torchtitan names holds one (zeros, as an
+    import writes). Now the export and the diff warn, naming the biases, and `--naming
+    torchtitan` compares them: a difference."""
+    root = tmp_path / "titan"
+    _script("save-balanced", "qwen3-moe", root / "run", root / "ref")
+    step = root / "run" / "checkpoint" / "step-1"
+    hf = tmp_path / "hf"
+    r = run_ckpt("convert", step, hf, "--to", "hf", "--config", root / "ref" / "config.json")
+    assert r.exit_code == 0, r.stderr
+    warned = "2 trained MoE load-balancing bias(es) are non-zero (layers.0.moe.expert_bias_E"
+    assert warned in r.stderr and "routes some tokens to other experts" in r.stderr
+    # what the warning says: transformers' model computes otherwise than torchtitan's
+    reference = torch.load(root / "ref" / "logits.pt", weights_only=True)
+    assert (_hf_logits(hf) - reference).abs().max().item() > 1e-3
+    r = run_ckpt("diff", step, hf, "--select", "model", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert any(warned in w and "--naming torchtitan compares them" in w for w in doc["warnings"])
+    r = run_ckpt("diff", step, hf, "--select", "model", "--naming", "torchtitan", "--json")
+    assert r.exit_code == 1, r.stdout + r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert [d["name"] for d in doc["differences"]] == [
+        "layers.0.moe.expert_bias_E",
+        "layers.1.moe.expert_bias_E",
+    ]
+    assert not doc["only_a"] and not doc["only_b"]
+    assert doc["naming"]["transforms_b"]["zeros"] == 2
+    # the import of the export writes the biases' fresh-start zeros: compared, equal
+    titan = tmp_path / "tt"
+    assert run_ckpt("convert", hf, titan, "--to", "torchtitan").exit_code == 0
+    for naming in ("torchtitan", "hf"):
+        r = run_ckpt("diff", titan, hf, "--naming", naming, "--json")
+        assert r.exit_code == 0, r.stdout + r.stderr
+        doc = json.loads(r.stdout)["result"]
+        assert doc["identical"] and not doc["warnings"], doc
+    r = run_ckpt("diff", titan, hf, "--naming", "torchtitan", "--json")
+    assert json.loads(r.stdout)["result"]["compared"] == 29
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+@pytest.mark.slow
 def test_export_without_config_builds_one_from_the_args(
     titan_model: tuple[str, Path], tmp_path: Path
 ) -> None:

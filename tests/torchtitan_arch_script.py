@@ -9,6 +9,10 @@ Run in its own process (torchtitan's imports are heavy and register hooks):
         and writes into OUT: `config.json` (the same model as a transformers config),
         `logits.pt` (torchtitan's forward on `IDS`) and `to_hf.safetensors` (torchtitan's own
         `StateDictAdapter.to_hf` of the model's state dict: the bytes an export must equal)
+    python tests/torchtitan_arch_script.py save-balanced FAMILY RUN OUT
+        as `save`, but with torchtitan's own MoE load-balancing hook registered on the
+        optimizer (as its Trainer does) and three steps taken, so each MoE layer's
+        `expert_bias_E` is trained (non-zero); `to_hf.safetensors` is not written
     python tests/torchtitan_arch_script.py load FAMILY RUN OUT
         builds a fresh FAMILY model (seed 1), restores RUN/checkpoint/step-0 with
         `CheckpointManager.load(step=0)` (torchtitan's model-only load of a converted model),
@@ -221,11 +225,20 @@ def train_step(model: Any, optimizers: Any) -> float:
     return float(loss)
 
 
-def save(family: str, run: Path, out: Path) -> None:
+def save(family: str, run: Path, out: Path, *, balanced: bool = False) -> None:
     from safetensors.torch import save_file
 
     model, optimizers, manager = build(family, run, seed=0)
-    train_step(model, optimizers)
+    if balanced:
+        from types import SimpleNamespace
+
+        from torchtitan.components.optimizer.optimizer import register_moe_load_balancing_hook
+
+        # one process, no mesh: the hook's all-reduces are skipped as on a single GPU
+        single = SimpleNamespace(get_optional_mesh=lambda name: None, ep_enabled=False, tp=1)
+        register_moe_load_balancing_hook(optimizers, [model], single)  # type: ignore[arg-type]
+    for _ in range(3 if balanced else 1):
+        train_step(model, optimizers)
     manager.save(curr_step=1)
     manager.close()
     out.mkdir(parents=True, exist_ok=True)
@@ -233,6 +246,8 @@ def save(family: str, run: Path, out: Path) -> None:
         (out / "config.json").write_text(json.dumps(hf_config(family), indent=2))
     with torch.no_grad():
         torch.save(model(IDS), out / "logits.pt")
+    if balanced:
+        return
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     hf = adapter(family.split(":")[0], model_config(family)).to_hf(state)
     save_file({k: v.contiguous() for k, v in hf.items()}, out / "to_hf.safetensors")
@@ -258,4 +273,7 @@ def load(family: str, run: Path, out: Path) -> None:
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
     mode, family, run, out = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
-    (save if mode == "save" else load)(family, run, out)
+    if mode == "load":
+        load(family, run, out)
+    else:
+        save(family, run, out, balanced=mode == "save-balanced")

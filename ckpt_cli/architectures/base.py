@@ -509,11 +509,16 @@ class Filled:
 class Ignored:
     """Source tensors a naming holds that are no weights of the other (rotary tables, MoE
     load-balancing counters, a training save's optimizer state): left out, with the reason
-    reported. `prefix`: `pattern` names every tensor under it (`optimizer.`)."""
+    reported. `prefix`: `pattern` names every tensor under it (`optimizer.`).
+    `computes`: the tensor takes part in the source model's forward (torchtitan's MoE
+    `expert_bias_E` shifts which experts each token is routed to), so leaving it out keeps
+    the model only while it holds zeros: the plan lists it in `ArchitecturePlan.computing`
+    for the caller to check."""
 
     pattern: str
     reason: str
     prefix: bool = False
+    computes: bool = False
 
     def regex(self) -> re.Pattern[str]:
         """The names this covers."""
@@ -534,6 +539,9 @@ class ArchitecturePlan:
         tied: (output projection, embedding) source names of an export that leaves the
             output projection out as the embedding's twin (`tie_embeddings`): the caller
             checks they hold the same values, since only then is nothing lost.
+        computing: source tensors of `left_out` the source model computes with
+            (`Ignored.computes`): the output is the same model only while they hold zeros,
+            which the caller checks.
     """
 
     architecture: str
@@ -543,6 +551,7 @@ class ArchitecturePlan:
     left_out: list[tuple[str, str]] = field(default_factory=list)
     args: ModelArgs = field(default_factory=ModelArgs)
     tied: list[tuple[str, str]] = field(default_factory=list)
+    computing: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -785,10 +794,11 @@ class Architecture(ABC):
         direction: Direction = "to_hf" if target == HF else "from_hf"
         rules = cls.rules[native]
         compiled = [[compile_pattern(p) for p in rule.source_patterns(direction)] for rule in rules]
-        ignored = [(i.regex(), i.reason) for i in cls.ignored.get(source, ())]
+        ignored = [(i.regex(), i) for i in cls.ignored.get(source, ())]
         matched: list[list[Match]] = [[] for _ in rules]
         order: dict[str, int] = {}
         left_out: list[tuple[str, str]] = []
+        computing: list[str] = []
         unknown: list[str] = []
         for index, (name, shape, dtype) in enumerate(entries):
             order[name] = index
@@ -805,11 +815,13 @@ class Architecture(ABC):
                     break
             if hit:
                 continue
-            reason = next((why for regex, why in ignored if regex.match(name)), None)
-            if reason is None:
+            ignore = next((i for regex, i in ignored if regex.match(name)), None)
+            if ignore is None:
                 unknown.append(name)
             else:
-                left_out.append((name, reason))
+                left_out.append((name, ignore.reason))
+                if ignore.computes:
+                    computing.append(name)
         if unknown:
             shown = ", ".join(repr(n) for n in unknown[:3])
             more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
@@ -830,7 +842,7 @@ class Architecture(ABC):
         tied: list[tuple[str, str]] = []
         if args.tie_embeddings and HF in cls.tied and native in cls.tied:
             outputs = cls._tie(outputs, direction, native, left_out, tied)
-        return ArchitecturePlan(cls.name, source, target, outputs, left_out, args, tied)
+        return ArchitecturePlan(cls.name, source, target, outputs, left_out, args, tied, computing)
 
     @classmethod
     def check_layers(cls, names: Sequence[str]) -> None:

@@ -91,8 +91,14 @@ _TITAN_IGNORED = (
     Ignored("freqs_cis", "rotary table (rebuilt)"),
     Ignored("rope.cache", "rotary table (rebuilt)"),
     Ignored("layers.{layer}.attention.rope.cache", "rotary table (rebuilt)"),
-    # torchtitan's own to_hf drops these too: transformers' Qwen3-MoE router has no bias
-    Ignored("layers.{layer}.moe.expert_bias_E", "MoE load-balancing bias (no HF counterpart)"),
+    # torchtitan's own to_hf drops these too: transformers' Qwen3-MoE router has no bias.
+    # The bias routes tokens (torchtitan adds it to the scores it picks the top-k by), so
+    # a trained, non-zero one dropped changes the model: the caller checks it is zero
+    Ignored(
+        "layers.{layer}.moe.expert_bias_E",
+        "MoE load-balancing bias (no HF counterpart)",
+        computes=True,
+    ),
     Ignored("layers.{layer}.moe.tokens_per_expert_E", "MoE load-balancing counter (training)"),
 )
 

@@ -20,16 +20,16 @@ permutation): a Megatron save's own args, the `config.json` either side holds, `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...architectures import HF, NAMINGS, Recognised, recognise, unrecognised
-from ...architectures.base import Architecture, ArchitecturePlan, ModelArgs
+from ...architectures.base import Architecture, ArchitecturePlan, ModelArgs, compile_pattern
 from ...errors import FormatError, UsageError
 from ...formats.base import Checkpoint
 from ...models import Entry, Record
 from ...sources.layouts import OpenedSource
-from ..shared.architecture import agree_args, source_config
+from ..shared.architecture import agree_args, dropped_state_warnings, source_config
 from ..shared.selection import select_entries
 
 #: `--naming` values beside the naming tokens: map when needed, or never
@@ -86,6 +86,8 @@ class NamedSide:
         where: the location, for messages.
         chosen: (entry, lined-up name) pairs, as `_resolve_aliases` takes them.
         select_applied: whether --select's prefix was stripped on this side.
+        warnings: what reading it in another naming changes that the comparison cannot
+            show (a trained MoE load-balancing bias that naming has no counterpart of).
     """
 
     checkpoint: Checkpoint
@@ -94,6 +96,7 @@ class NamedSide:
     where: str
     chosen: list[tuple[Entry, str]]
     select_applied: bool
+    warnings: list[str] = field(default_factory=list)
 
 
 def line_up_namings(
@@ -168,7 +171,7 @@ def line_up_namings(
     left_out: list[list[LeftOut]] = []
     for side, aligned, side_naming in sides:
         try:
-            checkpoint, mapped, counts, left = _read_in(
+            checkpoint, mapped, counts, left, computing = _read_in(
                 side.checkpoint, aligned, arch, side_naming, target, args
             )
         except FormatError as error:
@@ -187,6 +190,7 @@ def line_up_namings(
                 # they are (no --select prefix of them left to strip)
                 chosen=[(e, n) for n, e in mapped.items()] if counts or whole_used else side.chosen,
                 select_applied=side.select_applied and not whole_used,
+                warnings=_dropped_state(side, computing, arch, target),
             )
         )
         transforms.append(counts)
@@ -289,6 +293,21 @@ def _args(
     return found
 
 
+def _dropped_state(
+    side: NamedSide, computing: list[str], arch: type[Architecture], target: str
+) -> list[str]:
+    """The warning for tensors of `side` left out that its model computes with (a trained MoE
+    load-balancing bias), when they hold other values than zeros: the sides compare equal in
+    `target`'s names, and yet compute differently."""
+    if not computing:
+        return []
+    found = dropped_state_warnings(side.checkpoint, computing, arch, target, side.where)
+    natives = [n for n in arch.namings() if n != target and n in arch.filled]
+    if found and natives:
+        found[0] += f"; --naming {natives[0]} compares them (a model in {target} names holds zeros)"
+    return found
+
+
 def _read_in(
     checkpoint: Checkpoint,
     aligned: dict[str, Entry],
@@ -296,10 +315,12 @@ def _read_in(
     naming: str,
     target: str,
     args: ModelArgs,
-) -> tuple[Checkpoint, dict[str, Entry], dict[str, int], list[LeftOut]]:
+) -> tuple[Checkpoint, dict[str, Entry], dict[str, int], list[LeftOut], list[str]]:
     """One side read in naming `target`: (the checkpoint to read it from, lined-up name ->
-    entry, how many tensors each transform built, what is left out and why). A side already
-    in `target` is read as it is, less what that naming holds of its own."""
+    entry, how many tensors each transform built, what is left out and why, the names of
+    those left out that its model computes with). A side already in `target` is read as it
+    is, less what that naming holds of its own but the states it fills on an import
+    (torchtitan's MoE load-balancing bias), which the other side, read in it, holds too."""
     left = [
         LeftOut(name=n, reason=f"not a tensor (the {target} naming holds weights only)")
         for n, e in aligned.items()
@@ -308,14 +329,15 @@ def _read_in(
     tensors = {n: e for n, e in aligned.items() if e.kind == "tensor"}
     if naming == target:
         own = [(i.regex(), i.reason) for i in arch.ignored.get(naming, ())]
+        filled = [compile_pattern(f.pattern) for f in arch.filled.get(naming, ())]
         kept: dict[str, Entry] = {}
         for name, entry in tensors.items():
             why = next((reason for regex, reason in own if regex.match(name)), None)
-            if why is None:
+            if why is None or any(regex.match(name) for regex in filled):
                 kept[name] = entry
             else:
                 left.append(LeftOut(name=name, reason=why))
-        return checkpoint, kept, {}, left
+        return checkpoint, kept, {}, left, []
     from ...architectures.mapped import MappedCheckpoint
 
     # to a native naming from another native one: through Hugging Face's, the pivot
@@ -323,6 +345,7 @@ def _read_in(
     reads: dict[str, str] = {n: e.name for n, e in tensors.items()}
     entries = [(n, list(e.shape), e.dtype or "") for n, e in tensors.items()]
     counts: dict[str, int] = {}
+    computing: list[str] = []
     mapped: Checkpoint = checkpoint
     for source, dest in steps:
         # an output projection tied to the embedding stays a tensor of its own: the other
@@ -331,9 +354,12 @@ def _read_in(
         step_args = args.model_copy(update={"tie_embeddings": False}) if dest == HF else args
         plan = arch.plan(entries, source, dest, step_args)
         left += [LeftOut(name=n, reason=why) for n, why in plan.left_out]
+        computing += [reads[n] for n in plan.computing]
         # a state the target naming holds at its fresh-start value (torchtitan's MoE
-        # load-balancing bias) is built from nothing: no tensor of this side to compare
-        outputs = [t for t in plan.tensors if t.combine != "zeros"]
+        # load-balancing bias) is what this side, imported, holds: compared with the other
+        # side's (a trained bias the export dropped is a difference); on the way through
+        # the pivot it is built from nothing and no tensor of this side
+        outputs = [t for t in plan.tensors if t.combine != "zeros" or dest == target]
         sourced = ArchitecturePlan(
             plan.architecture,
             plan.source,
@@ -351,4 +377,4 @@ def _read_in(
         for tensor in outputs:
             counts[tensor.transform] = counts.get(tensor.transform, 0) + 1
     by_name = mapped.manifest.by_name
-    return mapped, {name: by_name[name] for name, _, _ in entries}, counts, left
+    return mapped, {name: by_name[name] for name, _, _ in entries}, counts, left, computing

@@ -639,7 +639,8 @@ def diff_with(
                 side_b.select_applied,
             )
         excludes = request.excludes or []
-        warnings = unmatched_rules(
+        warnings = [*side_a.warnings, *side_b.warnings] if lined_namings is not None else []
+        warnings += unmatched_rules(
             [*left, *right], filters, excludes, matched="entry of either side"
         )
         warnings += unused_rename_rules(

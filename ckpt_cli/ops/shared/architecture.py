@@ -273,6 +273,32 @@ def _check_tied(checkpoint: Checkpoint, pairs: list[tuple[str, str]], where: str
             )
 
 
+def dropped_state_warnings(
+    checkpoint: Checkpoint, names: list[str], arch: type[Architecture], target: str, where: str
+) -> list[str]:
+    """What a mapping that leaves out tensors the model computes with (`names`: its plan's
+    `computing`, torchtitan's MoE load-balancing biases) changes: nothing while they hold
+    zeros (a fresh start); a trained, non-zero bias routes tokens to other experts than the
+    target naming's model does, so its outputs differ. torchtitan's own `to_hf` drops it too
+    (transformers' router has no bias), so this is said, not refused. Each is one small
+    vector (one float per expert), read whole."""
+    nonzero: list[tuple[str, float]] = []
+    for name in names:
+        tensor = checkpoint.read_tensor(name)
+        if tensor.numel() and bool(tensor.ne(0).any()):
+            nonzero.append((name, float(tensor.abs().max())))
+    if not nonzero:
+        return []
+    shown = ", ".join(n for n, _ in nonzero[:3]) + (", …" if len(nonzero) > 3 else "")
+    largest = max(v for _, v in nonzero)
+    return [
+        f"{where}: {len(nonzero)} trained MoE load-balancing bias(es) are non-zero ({shown}; "
+        f"largest |value| {largest:.3g}) and the {target} naming of {arch.title} has no "
+        f"counterpart: a model in {target} names routes some tokens to other experts than "
+        "this one does, so its outputs differ (torchtitan's own to_hf drops the bias too)"
+    ]
+
+
 def _twins(checkpoint: Checkpoint, a: str, b: str) -> bool:
     """Whether tensors `a` and `b` hold the same values: compared block by block where both
     are stored raw in one dtype (an embedding of a large vocabulary is the largest tensor of
@@ -409,6 +435,9 @@ def map_plan(
         if target == HF != naming:  # the whole model in HF names: no layer short of a tensor
             arch.check_layers([t.name for t in mapping.tensors])
         _check_tied(checkpoint, [(origin[h], origin[e]) for h, e in mapping.tied], where)
+        warnings += dropped_state_warnings(
+            checkpoint, [origin[n] for n in mapping.computing], arch, target, where
+        )
         skipped += [
             SkippedEntry(name=origin[n], kind="tensor", reason=why) for n, why in mapping.left_out
         ]
