@@ -87,10 +87,13 @@ def _repair(
     try:
         report = repair(save.path, progress=progress)
     except (CkptError, OSError) as error:
-        return [], f"{problem}; its parity could not rebuild it: {error}"
+        return [], f"{problem.rstrip('.')}; its parity could not rebuild it: {error}"
     if not report.ok:
         lost = ", ".join(Path(name).name for name in report.unrecoverable)
-        return [], f"{problem}; the damage is beyond its parity ({lost} cannot be rebuilt)"
+        return (
+            [],
+            f"{problem.rstrip('.')}; the damage is beyond its parity ({lost} cannot be rebuilt)",
+        )
     folder = Path(save.path)
     rebuilt = [
         Path(name).relative_to(folder).as_posix() if Path(name).is_relative_to(folder) else name
