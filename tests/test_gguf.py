@@ -1558,3 +1558,35 @@ def test_convert_to_hf_of_a_quantized_gguf_asks_for_dequantize(tmp_path: Path) -
     assert "Q8_0" in result.stderr and "--dequantize" in result.stderr
     assert "no known model architecture" not in result.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_convert_to_hf_refuses_gguf_metadata_that_does_not_fit_the_tensors(
+    tmp_path: Path,
+) -> None:
+    """A GGUF whose metadata says 4 key/value heads over k projections of 2 heads' rows was
+    exported with exit 0: k rows permuted per the wrong head count and a config.json that
+    `from_pretrained` refuses (size mismatch). The metadata is now held against the shapes as
+    a config.json is (exit 4, naming the tensor and the key), nothing written."""
+    from gguf import GGUFReader, GGUFWriter
+
+    src = tmp_path / "model.gguf"
+    _llama_gguf(src, "F32")
+    reader = GGUFReader(str(src))
+    bent = tmp_path / "bent.gguf"
+    writer = GGUFWriter(str(bent), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("llama.") or key.startswith("tokenizer."):
+            value = 4 if key == "llama.attention.head_count_kv" else field.contents()
+            writer.add_key_value(key, value, field.types[0], field.types[-1])
+    for tensor in reader.tensors:
+        shape = [int(n) for n in reversed(tensor.shape)]
+        writer.add_tensor(tensor.name, np.array(tensor.data).reshape(shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = run_ckpt("convert", bent, tmp_path / "hf", "--to", "hf")
+    assert result.exit_code == 4, result.stderr
+    assert "blk.0.attn_k.weight" in result.stderr or "k_proj" in result.stderr
+    assert "num_key_value_heads=4" in result.stderr
+    assert not (tmp_path / "hf").exists()

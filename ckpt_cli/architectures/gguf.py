@@ -127,6 +127,35 @@ def tokenizer_note(checkpoint: Checkpoint, dest_naming: str) -> str | None:
     )
 
 
+def refuse_misfit(
+    checkpoint: Checkpoint, args: ModelArgs, found: ModelArgs, conflicts: list[str]
+) -> None:
+    """Refuse metadata (`args`) that contradicts the tensors: the sizes the shapes give
+    (`found`; the vocabulary is the embedding's rows whatever the metadata says), and the rows
+    the head counts and widths imply (`conflicts`, the family's
+    `shape_conflicts`). A q/k projection permuted per a wrong head count, under a config.json
+    `from_pretrained` refuses, would be written otherwise.
+
+    Raises:
+        FormatError: naming the first contradiction.
+    """
+    misfits = [
+        f"{key}={getattr(args, key)}, where the tensors have {key}={getattr(found, key)}"
+        for key in ("dim", "n_layers", "ffn_dim")  # llama.cpp checks these as it loads
+        if getattr(args, key) is not None
+        and getattr(found, key) is not None
+        and getattr(args, key) != getattr(found, key)
+    ]
+    misfits += conflicts
+    if misfits:
+        more = f" (and {len(misfits) - 1} more)" if len(misfits) > 1 else ""
+        raise FormatError(
+            f"the GGUF's metadata does not fit its tensors: {misfits[0]}{more}",
+            path=checkpoint.manifest.location,
+            fix="The file's metadata is damaged or was edited: convert the model to GGUF again.",
+        )
+
+
 def _float32(value: float) -> float:
     """The shortest decimal that reads back as the same float32 (GGUF stores float32: its
     1e-05 is 9.999999747378752e-06 as a double; the model computes with the float32)."""

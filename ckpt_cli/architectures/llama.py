@@ -233,7 +233,12 @@ class _Decoder(Architecture):
         if naming == MEGATRON:
             return megatron_args_from_checkpoint(checkpoint)
         if naming == GGUF:
-            return gguf.args_from_metadata(checkpoint, cls.name, cls.title)
+            args = gguf.args_from_metadata(checkpoint, cls.name, cls.title)
+            # the metadata is the file's config.json: held against the tensors as one is
+            shapes = {e.name: e.shape for e in checkpoint.manifest.entries if e.kind == "tensor"}
+            found = cls.args_from_shapes(shapes, GGUF)
+            gguf.refuse_misfit(checkpoint, args, found, cls.shape_conflicts(shapes, GGUF, args))
+            return args
         return ModelArgs()
 
     @classmethod
