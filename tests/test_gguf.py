@@ -1590,3 +1590,41 @@ def test_convert_to_hf_refuses_gguf_metadata_that_does_not_fit_the_tensors(
     assert "blk.0.attn_k.weight" in result.stderr or "k_proj" in result.stderr
     assert "num_key_value_heads=4" in result.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_convert_to_hf_of_a_split_gguf_names_its_first_file_for_the_tokenizer(
+    tmp_path: Path,
+) -> None:
+    """A split GGUF (a folder of `-0000k-of-0000n.gguf` files) exports as the one file does;
+    the tokenizer warning named the folder as `gguf_file=` (`'split'`), a file transformers
+    cannot open, and now names the first split file, which holds the tokenizer metadata."""
+    from gguf import GGUFReader, GGUFWriter
+
+    whole = tmp_path / "model.gguf"
+    _llama_gguf(whole, "Q8_0")
+    reader = GGUFReader(str(whole))
+    (tmp_path / "split").mkdir()
+    writer = GGUFWriter(str(tmp_path / "split" / "model.gguf"), "llama", split_max_tensors=8)
+    for key, field in reader.fields.items():
+        if key.startswith("llama.") or key.startswith("tokenizer."):
+            writer.add_key_value(key, field.contents(), field.types[0], field.types[-1])
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert len(list((tmp_path / "split").glob("model-0000?-of-00003.gguf"))) == 3
+
+    one = run_ckpt("convert", whole, tmp_path / "one", "--to", "hf", "--dequantize")
+    assert one.exit_code == 0, one.stderr
+    split = run_ckpt("convert", tmp_path / "split", tmp_path / "two", "--to", "hf", "--dequantize")
+    assert split.exit_code == 0, split.stderr
+    assert "gguf_file='model-00001-of-00003.gguf'" in split.stderr
+    a = load_file(tmp_path / "one" / "model.safetensors")
+    b = load_file(tmp_path / "two" / "model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    assert (tmp_path / "one" / "config.json").read_text() == (
+        tmp_path / "two" / "config.json"
+    ).read_text()

@@ -119,7 +119,9 @@ def tokenizer_note(checkpoint: Checkpoint, dest_naming: str) -> str | None:
     if not any(str(k).startswith("tokenizer.ggml.") for k in metadata):
         return None
     where = checkpoint.manifest.location
-    name = where.rstrip("/").rsplit("/", 1)[-1]
+    files = checkpoint.manifest.files
+    # the file transformers reads (of a split set, the first), named inside its folder
+    name = files[0].path.rsplit("/", 1)[-1] if files else where.rstrip("/").rsplit("/", 1)[-1]
     return (
         f"{where}: the GGUF's tokenizer (its tokenizer.ggml.* metadata) is not written into the "
         f"{dest_naming} model folder; write it with transformers: "
