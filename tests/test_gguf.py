@@ -1628,3 +1628,18 @@ def test_convert_to_hf_of_a_split_gguf_names_its_first_file_for_the_tokenizer(
     assert (tmp_path / "one" / "config.json").read_text() == (
         tmp_path / "two" / "config.json"
     ).read_text()
+
+
+def test_inspect_names_the_family_of_a_quantized_gguf(tmp_path: Path) -> None:
+    """`inspect` says which family and naming a model's weights are (what `--to hf` maps
+    from). Of an F32 GGUF it said `Llama 3 (llama3) in gguf names`; of the same model in Q8_0
+    it said nothing, its quantized weights being no tensors: it now counts them as the weights
+    they are, as its parameter count does."""
+    for qtype in ("F32", "Q8_0"):
+        src = tmp_path / f"{qtype}.gguf"
+        _llama_gguf(src, qtype)
+        result = run_ckpt("inspect", src, "--json")
+        assert result.exit_code == 0, result.stderr
+        architecture = result.json["result"]["architecture"]
+        assert architecture is not None, qtype
+        assert (architecture["architecture"], architecture["naming"]) == ("llama3", "gguf")

@@ -213,17 +213,20 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
             quantization=quantization,
             layout=opened.layout,
             problems=malformed(checkpoint),
-            architecture=_naming(opened, entries, manifest),
+            architecture=_naming(opened, entries, manifest, stored),
         )
 
 
-def _naming(opened: OpenedSource, entries: list[Entry], manifest: Manifest) -> NamingInfo | None:
+def _naming(
+    opened: OpenedSource, entries: list[Entry], manifest: Manifest, stored: list[Entry]
+) -> NamingInfo | None:
     """The family and naming of the model's weights: a training checkpoint's `model`
-    component (names as `--select model` takes them), or every tensor of a model."""
+    component (names as `--select model` takes them), or every tensor of a model, those
+    `stored` in a form ckpt does not decode (a GGUF's Q8_0 weights) included."""
     from ..architectures import naming_info
     from .shared.selection import select_entries
 
-    tensors = [e for e in entries if e.kind == "tensor"]
+    tensors = [e for e in entries if e.kind == "tensor"] + stored
     training = opened.training
     if training is not None and "model" in training.prefixes:
         chosen = select_entries(opened, tensors, "model", manifest)
