@@ -167,6 +167,49 @@ def test_export_to_hf_loads_in_transformers_with_megatrons_logits(
     assert close(logits, truth) <= TOLERANCE
 
 
+def test_a_megatron_save_moves_to_torchtitan_and_back_through_the_hf_naming(
+    megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    """A user moving a Megatron-trained Llama into torchtitan (`--to torchtitan`) was refused
+    with "Llama 3 has no mapping from the megatron naming to the torchtitan naming. Its
+    namings: hf, torchtitan, megatron": two native namings now map through Hugging Face's, as
+    `diff` compares them. The torchtitan save dcp.load reads holds what `--to hf` of it gives
+    (transformers' logits are Megatron's), and back to Megatron it loads in Megatron."""
+    folder, truth = megatron_save
+    titan = tmp_path / "titan"
+    result = run_ckpt("convert", folder, titan, "--to", "torchtitan", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    arch = result.json["result"]["architecture"]
+    assert (arch["source_naming"], arch["target_naming"]) == ("megatron", "torchtitan")
+    # q/k split from the fused QKV, then permuted to torchtitan's interleaved rotary rows
+    assert arch["transforms"]["split-qkv+rotary-permute"] == 2 * gpt.LAYERS
+    wq = next(r for r in arch["mapped"] if r["name"] == "layers.0.attention.qkv_linear.wq.weight")
+    assert wq["sources"] == ["decoder.layers.self_attention.linear_qkv.weight"]
+    # what the Megatron save told of the model travels as config.json, for a later --to hf
+    assert (titan / "config.json").is_file()
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    names = FileSystemReader(str(titan)).read_metadata().state_dict_metadata
+    state = {n: torch.empty(m.size, dtype=m.properties.dtype) for n, m in names.items()}
+    dcp_load(state, checkpoint_id=str(titan), no_dist=True)
+    assert state["tok_embeddings.weight"].shape == (gpt.VOCAB, gpt.HIDDEN)
+    hf = tmp_path / "hf"
+    assert run_ckpt("convert", titan, hf, "--to", "hf").exit_code == 0
+    direct = tmp_path / "direct"
+    assert run_ckpt("convert", folder, direct, "--to", "hf").exit_code == 0
+    assert run_ckpt("diff", hf, direct).exit_code == 0
+    assert close(hf_logits(hf)[1], truth) <= TOLERANCE
+    r = run_ckpt("diff", folder, titan, "--json")
+    assert r.exit_code == 0 and r.json["result"]["compared"] == 9 * gpt.LAYERS + 3
+    back = tmp_path / "megatron"
+    result = run_ckpt("convert", titan, back, "--to", "megatron", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert result.json["result"]["architecture"]["source_naming"] == "torchtitan"
+    logits, step = megatron_load(back, tmp_path / "tp1")
+    assert close(logits, truth) <= TOLERANCE and step["moved"]
+
+
 def test_diff_compares_a_megatron_save_with_its_hf_export_through_the_mapping(
     megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
 ) -> None:

@@ -408,6 +408,20 @@ def map_plan(
             if found is None:
                 raise unrecognised(names, target, where)
             arch, naming = found.architecture, found.naming
+        if HF not in (naming, target) and naming != target:
+            # two native namings (Megatron to torchtitan): through Hugging Face's, the pivot
+            # every family maps to and from, as `diff` reads them
+            return _through_hf(
+                checkpoint,
+                plan,
+                target,
+                arch,
+                config=config,
+                cast=cast,
+                keep_objects=keep_objects,
+                dedupe_tied=dedupe_tied,
+                flavor=flavor,
+            )
         shapes = {i.target.name: list(i.source.shape) for i in tensors}
         dtypes = [i.source.dtype for i in tensors if i.source.dtype]
         # the dtype written: config.json's torch_dtype says what the weights are after --dtype
@@ -483,6 +497,78 @@ def map_plan(
         )
         origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
         return MappedSource(mapped, new_plan, report, config_bytes, output, origins, warnings)
+
+
+def _through_hf(
+    checkpoint: Checkpoint,
+    plan: TransferPlan,
+    target: str,
+    arch: type[Architecture],
+    *,
+    config: dict[str, Any] | None,
+    cast: str | None,
+    keep_objects: bool,
+    dedupe_tied: bool,
+    flavor: str | None,
+) -> MappedSource:
+    """`map_plan` from one native naming to another: to Hugging Face's first, then from it
+    with the `config.json` that step built (what the first naming told of the model, a
+    Megatron save's own args), as one mapping: the report names the source's tensors and
+    every transform of both steps, and says what each left out."""
+    to_hf = map_plan(
+        checkpoint,
+        plan,
+        HF,
+        config=config,
+        cast=None,
+        keep_objects=keep_objects,
+        dedupe_tied=dedupe_tied,
+        architecture=arch.name,
+        flavor=flavor,
+    )
+    assert to_hf.config is not None  # an export to hf always builds its config.json
+    built = json.loads(to_hf.config)
+    out = map_plan(
+        to_hf.checkpoint,
+        to_hf.plan,
+        target,
+        config=built,
+        cast=cast,
+        keep_objects=keep_objects,
+        dedupe_tied=dedupe_tied,
+        architecture=arch.name,
+    )
+    first = {r.name: r for r in to_hf.report.mapped}
+    records: list[MappedRecord] = []
+    for r in out.report.mapped:
+        before = [first[h] for h in r.sources if h in first]
+        # what built it, step by step: `split-qkv+rotary-permute`; renames say nothing more
+        steps = [t for t in dict.fromkeys([*(b.transform for b in before), r.transform])]
+        transform = "+".join(t for t in steps if t != "rename") or "rename"
+        sources = [s for b in before for s in b.sources] if before else r.sources
+        records.append(
+            MappedRecord(name=r.name, sources=list(dict.fromkeys(sources)), transform=transform)
+        )
+    counts: dict[str, int] = {}
+    for record in records:
+        counts[record.transform] = counts.get(record.transform, 0) + 1
+    report = out.report.model_copy(
+        update={
+            "source_naming": to_hf.report.source_naming,
+            "mapped": records,
+            "transforms": counts,
+        }
+    )
+    origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
+    return replace(
+        out,
+        report=report,
+        origins=origins,
+        # the model's config.json, for a later --to hf of the output (a torchtitan save
+        # holds none), as an import from hf carries the source's
+        config=out.config if out.config is not None else to_hf.config,
+        warnings=to_hf.warnings + out.warnings,
+    )
 
 
 def refuse_quantized_naming(analysis: QuantAnalysis, target: str, where: str) -> None:
