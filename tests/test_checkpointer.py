@@ -1229,6 +1229,38 @@ def test_a_save_between_the_first_backward_and_the_first_optimizer_step_loads(
     assert fresh_optimizer.param_groups[0]["lr"] == 0.1
 
 
+def test_a_save_inside_inference_mode_then_one_outside_it_both_save(tmp_path: Path) -> None:
+    """A loop that saves at its evaluation step, inside `torch.inference_mode()`, allocated
+    the staging buffers as inference tensors there; every later save, outside it, raised
+    torch's "Inplace update to inference tensor outside InferenceMode" into the loop."""
+    from ckpt_cli import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    with Checkpointer(run) as ck:
+        for step in (1, 2, 3):
+            model(torch.randn(2, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:
+                with torch.inference_mode():  # the evaluation step saves
+                    model(torch.randn(2, 8))
+                    ck.save(step, {"model": model, "optimizer": optimizer})
+            else:
+                ck.save(step, {"model": model, "optimizer": optimizer})
+            assert (record := ck.wait()) is not None and record.phase == "done", record
+    fresh = torch.nn.Linear(8, 8)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    with torch.inference_mode():  # an evaluator may load inside it too
+        loaded = Checkpointer(run).load_latest({"model": fresh, "optimizer": fresh_optimizer})
+    assert loaded is not None and loaded.step == 3
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == torch.tensor(3.0)
+
+
 def test_verify_resumable_reads_the_step_a_checkpointer_save_records(tmp_path: Path) -> None:
     """A loop saves its model and optimizer and no `step` entry (the step is `save`'s own
     argument): `load_latest` resumes it at its step, but `ckpt verify --resumable` said

@@ -60,7 +60,12 @@ class HostStaging:
         """
         seen: set[Path] = set()
         copied = [0]
-        staged = {str(k): self._stage_value((str(k),), v, seen, copied) for k, v in state.items()}
+        # never inference tensors, even for a save called inside `torch.inference_mode()` (an
+        # evaluation step): a later save outside it could not copy into them
+        with torch.inference_mode(False):
+            staged = {
+                str(k): self._stage_value((str(k),), v, seen, copied) for k, v in state.items()
+            }
         for stale in set(self._buffers) - seen:  # an entry the state no longer has
             del self._buffers[stale]
         if torch.cuda.is_available():
