@@ -1285,6 +1285,42 @@ def test_verify_resumable_reads_the_step_a_checkpointer_save_records(tmp_path: P
     assert loaded is not None and loaded.step == 300
 
 
+def test_a_disabled_grad_scaler_in_the_state_saves_and_resumes(tmp_path: Path) -> None:
+    """The AMP recipe's `GradScaler(enabled=use_amp)` with AMP off (a CPU run): its state dict
+    is empty, the save held nothing under it, and every resume failed with "the checkpoint
+    holds no entry 'scaler'"."""
+    from ckpt_cli import Checkpointer
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    model(torch.randn(2, 4)).sum().backward()
+    scaler.step(optimizer)  # what the recipe calls; with AMP off, a plain optimizer step
+    scaler.update()
+    with Checkpointer(tmp_path / "run") as ck:
+        ck.save(1, {"model": model, "optimizer": optimizer, "scaler": scaler, "step": 1})
+    fresh = torch.nn.Linear(4, 4)
+    into: dict[str, Any] = {
+        "model": fresh,
+        "optimizer": torch.optim.SGD(fresh.parameters(), lr=0.1),
+        "scaler": torch.amp.GradScaler("cpu", enabled=False),
+        "step": 0,
+    }
+    loaded = Checkpointer(tmp_path / "run").load_latest(into)
+    assert loaded is not None and loaded.step == 1 and into["step"] == 1
+    assert torch.equal(fresh.weight, model.weight)
+    assert into["scaler"].state_dict() == {}
+    # a save made without the scaler is still told from one that saved it empty
+    from ckpt_cli.errors import FormatError
+
+    with Checkpointer(tmp_path / "other") as ck:
+        ck.save(1, {"model": model, "step": 1})
+    with pytest.raises(FormatError, match="no entry 'scaler'"):
+        Checkpointer(tmp_path / "other").load_latest(
+            {"model": fresh, "scaler": torch.amp.GradScaler("cpu", enabled=False)}
+        )
+
+
 def test_loading_into_a_state_that_does_not_match_the_save_raises_a_ckpt_error_naming_it(
     tmp_path: Path,
 ) -> None:

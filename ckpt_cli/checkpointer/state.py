@@ -260,13 +260,12 @@ def load_template(items: list[Entry], metadata: Any, where: str, rank: int = 0) 
         template[shapes_fqn] = None
     saved = {next(iter(paths.get(fqn, (fqn,)))) for fqn in metadata.state_dict_metadata}
     for e in items:
-        if e.kind in ("model", "optimizer", "stateful") and e.key not in saved:
-            raise FormatError(
-                f"the checkpoint holds no entry {e.key!r} (the {_KIND_NAMES[e.kind]} of `into`)",
-                path=where,
-                fix=f"Drop {e.key!r} from `into` (and set it up anew), or load a checkpoint "
-                "saved with it.",
-            )
+        # a Stateful whose state is empty (a disabled GradScaler's) leaves no entry: when the
+        # live one's is empty too, the shapes of ckpt's record tell whether it was saved so
+        # (`rebuild` judges it once they are read); any other is refused before the load
+        recorded = e.kind == "stateful" and shapes_fqn is not None and not e.obj.state_dict()
+        if e.kind in ("model", "optimizer", "stateful") and e.key not in saved and not recorded:
+            raise _no_entry(e, where)
         if e.kind == "optimizer" and not any(
             tuple(paths.get(fqn, (fqn,)))[:2] == (e.key, "state")
             for fqn in metadata.state_dict_metadata
@@ -292,6 +291,15 @@ def load_template(items: list[Entry], metadata: Any, where: str, rank: int = 0) 
             # `apply` judges it by its shape)
             raise _no_value(e.key, metadata, prefix, rank, where)
     return template
+
+
+def _no_entry(e: Entry, where: str) -> FormatError:
+    """The model, optimizer or Stateful object `e` of `into` is not in the save."""
+    return FormatError(
+        f"the checkpoint holds no entry {e.key!r} (the {_KIND_NAMES[e.kind]} of `into`)",
+        path=where,
+        fix=f"Drop {e.key!r} from `into` (and set it up anew), or load a checkpoint saved with it.",
+    )
 
 
 def _no_value(
@@ -355,7 +363,8 @@ def rebuild(
     """The loaded values of every Stateful and plain entry, as saved; changes no live object.
 
     Raises:
-        FormatError: a plain value of `items` is not in the save for `rank`.
+        FormatError: a plain value of `items` is not in the save for `rank`, or a Stateful
+            object is neither in it nor in its record.
     """
     paths = metadata.planner_data or {}
     prefix = rank_path(rank) if has_record(metadata) else ()
@@ -378,6 +387,8 @@ def rebuild(
             # be missing, the value stays as DCP names it)
             with contextlib.suppress(KeyError):
                 rebuilt[e.key] = _build(shapes[e.key], (e.key,), leaves)
+        if e.kind == "stateful" and e.key not in rebuilt:
+            raise _no_entry(e, where)  # neither saved nor recorded (see `load_template`)
         if e.kind == "value" and e.key not in rebuilt:
             # recorded in this rank's shapes but saved for no rank of this number: a save
             # resharded for more ranks gives the new ones the shapes, not the values
