@@ -50,6 +50,7 @@ CASES: dict[str, dict[str, str | None]] = {
         "rng": "rng_not_restored",
         "rng_file_lost": "rng_not_restored",
         "bf16": "precision_changed",
+        "reordered": "optimizer_mismatch",
     },
     "accelerate": {
         "clean": None,
@@ -190,6 +191,19 @@ def build_trainer(out: Path) -> None:
                 )
                 return
             super()._load_optimizer_and_scheduler(checkpoint)
+
+        def create_optimizer(self) -> Any:
+            optimizer = super().create_optimizer()
+            if self.fault == "reordered":
+                # a refactored attention that registers `o_proj` before `q_proj` (both
+                # [16, 16]): the decay group numbers the two the other way round
+                names = {id(p): n for n, p in self.model.named_parameters()}
+                params = optimizer.param_groups[0]["params"]
+                at = {names[id(p)]: i for i, p in enumerate(params)}
+                q = at["model.layers.0.self_attn.q_proj.weight"]
+                o = at["model.layers.0.self_attn.o_proj.weight"]
+                params[q], params[o] = params[o], params[q]
+            return optimizer
 
         def _load_rng_state(self, checkpoint: str | None) -> None:
             if self.fault != "rng":

@@ -190,6 +190,38 @@ def test_trainer_batch_change_reads_training_args(trainer_jobs: Path) -> None:
 
 
 @pytest.mark.frameworks
+def test_trainer_optimizer_reordered_onto_same_shape_parameters_is_found(
+    trainer_jobs: Path,
+) -> None:
+    """A custom trainer whose refactored attention numbers `o_proj` before `q_proj` (both
+    [16, 16]) resumed a Trainer checkpoint: `optimizer.pt` loads by number, so each took the
+    other's Adam moments, and `model.safetensors` keeps no parameter order (sorted names).
+    The doctor said NO CAUSE FOUND. Each state's direction follows the change of the weight
+    it steps: o_proj's state drove o_proj up to checkpoint-4 and q_proj after the resume."""
+    run = trainer_jobs / "reordered"
+    before = torch.load(run / "checkpoint-4" / "optimizer.pt", weights_only=True)
+    after = torch.load(run / "checkpoint-6" / "optimizer.pt", weights_only=True)
+    shapes = [tuple(s["exp_avg"].shape) for s in before["state"].values()]
+    assert shapes == [tuple(s["exp_avg"].shape) for s in after["state"].values()]
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    top = result.json["result"]["causes"][0]
+    assert (top["id"], top["before"], top["after"]) == (
+        "optimizer_mismatch",
+        "checkpoint-4",
+        "checkpoint-6",
+    )
+    q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    # o_proj's state on q_proj keeps its second moments (q_proj's gradients are small at
+    # init); q_proj's on o_proj is swamped by o_proj's, so it cannot show where it came from
+    assert [line.split(" (")[0] for line in top["evidence"]] == [
+        f"optimizer state of parameter 4 drove {o!r} up to checkpoint-4",
+    ], top["evidence"]
+    assert f"and {q!r} after it" in top["evidence"][0]
+    assert "its second moments carried on" in top["evidence"][0]
+
+
+@pytest.mark.frameworks
 def test_trainer_resumed_under_bf16_reads_training_args(trainer_jobs: Path) -> None:
     """The run trained in fp32 and was resumed with `bf16=True`: the weights stay fp32 (the
     Trainer autocasts), so doctor, which compared weight dtypes only, said NO CAUSE FOUND."""

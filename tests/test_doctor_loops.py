@@ -727,6 +727,43 @@ def test_a_run_whose_saves_all_lack_a_file_is_examined_with_warnings(tmp_path: P
     assert all("scheduler.pt is missing" in w for w in report["warnings"]), report["warnings"]
 
 
+def test_a_reorder_is_found_by_the_updates_where_safetensors_keeps_no_order(
+    tmp_path: Path,
+) -> None:
+    """The same-shape refactor in a loop that saves `model.safetensors` (tensors sorted by
+    name: the model's order is in no file) and `optimizer.pt`: nothing showed which parameter
+    each numbered state belongs to, and the doctor found nothing. Which one it drives is in
+    the updates: over the interval up to a save, the change of the parameter a state steps
+    follows the state's direction (exp_avg / sqrt(exp_avg_sq)); state 0 drove `left.weight`
+    up to step-8 and `right.weight` after the resume. The same resume without the refactor is
+    clean."""
+    run = tmp_path / "run"
+    _folder_loop(run, None, 9)
+    _folder_loop(run, 8, 12, right_first=True)
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("optimizer_mismatch", "step-8", "step-12")
+    ], causes
+    evidence = causes[0]["evidence"]
+    assert [line.split(" (")[0] for line in evidence] == [
+        "optimizer state of parameter 0 drove 'left.weight' up to step-8",
+        "optimizer state of parameter 2 drove 'right.weight' up to step-8",
+    ], evidence
+    assert "and 'right.weight' after it (correlation " in evidence[0], evidence
+    assert evidence[0].endswith(
+        "the parameters were reordered at the resume and the state applied to others"
+    ), evidence
+
+    clean = tmp_path / "clean"
+    _folder_loop(clean, None, 9)
+    _folder_loop(clean, 8, 12)
+    result = run_ckpt("doctor", clean, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []
+
+
 def test_state_restored_onto_parameters_of_the_same_shape_in_another_order_is_found(
     tmp_path: Path,
 ) -> None:

@@ -3,14 +3,22 @@ restored for other parameters (param groups or shapes that no longer fit the wei
 
 from __future__ import annotations
 
-from ...models import Problem
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...models import Entry, Problem
 from ...sources.layouts.training import OptimizerView, analyse_optimizer, shape_problems
 from ...sources.runs import SLIM_RECORD
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
 from .save import Save
-from .tensors import moments_against
+from .tensors import correlation, head, moments_against
 from .tensors import total as tensor_total
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
 
 #: tensors this small carry too little to judge a correlation by
 _MIN_NUMEL = 16
@@ -121,6 +129,8 @@ def check(pair: Pair) -> list[Cause]:
     if restart is None and not unloadable and not causes:
         causes += _copied(pair) if copied else _restored_from_another_save(pair)
     mismatch = _mismatch(a, b, misfits_before)
+    if not mismatch and pair.earlier:
+        mismatch = _reordered_by_updates(pair.earlier[-1], a, b)
     if mismatch:
         causes.append(
             Cause(
@@ -230,6 +240,106 @@ def _grouped_reorder(a: Save, b: Save) -> list[str]:
             f"weights at {b.name})"
         ]
     return []
+
+
+#: elements of each tensor (its first ones) read to tell which parameter a state drives
+_FINGERPRINT = 4096
+
+
+def _reordered_by_updates(earlier: Save, a: Save, b: Save) -> list[str]:
+    """`_reordered` where no save shows its model's parameter order (safetensors stores the
+    tensors sorted by name: a Trainer's `model.safetensors`, a loop's own `save_file`): which
+    parameter each optimizer state drives is read from the updates. Adam moves a parameter
+    along -exp_avg / sqrt(exp_avg_sq): over the interval up to a save, the change of the
+    parameter a state is applied to correlates with that state's direction at the save, and
+    the change of another parameter of the same size does not. A state that drove one
+    parameter up to the save resumed from (`earlier` → `a`) and another after the resume
+    (`a` → `b`), both clearly, and whose second moments carry on its own (not those of the
+    state that drove its new parameter: a state mapped by name), was restored by number onto
+    a model whose parameters come in another order."""
+    driven_a, driven_b = _driven(earlier, a), _driven(a, b)
+    owners = {name: pid for pid, (name, _) in driven_a.items()}
+    evidence: list[str] = []
+    for pid, (before, corr_a) in driven_a.items():
+        after, corr_b = driven_b.get(pid, (before, 0.0))
+        if after == before or after not in owners:
+            continue
+        # a state mapped by name onto the new numbering carries on the state of the
+        # parameter it now drives, not the one of its number: no finding
+        if _followed_by_number(a, b, pid, pid, owners[after]) is None:
+            continue
+        evidence.append(
+            f"optimizer state of parameter {pid} drove {before!r} up to {a.name} (its update "
+            f"direction correlates {corr_a:.2f} with that tensor's change since {earlier.name}) "
+            f"and {after!r} after it (correlation {corr_b:.2f} with its change up to "
+            f"{b.name}), its second moments carried on: the parameters were reordered at the "
+            "resume and the state applied to others"
+        )
+    return evidence
+
+
+def _driven(start: Save, end: Save) -> dict[str, tuple[str, float]]:
+    """Which model tensor each optimizer state of `end` (int ids) drove over the interval
+    from `start`, with the correlation that says so: only states with two or more tensors of
+    their size to choose from, and only where one tensor's change correlates with the state's
+    direction clearly above the noise of the elements read and above every other's."""
+    memo: dict[str, dict[str, tuple[str, float]]] = end.memo.setdefault("driven", {})
+    if start.name not in memo:  # each save is the end of one interval, the start of the next
+        memo[start.name] = _driven_over(start, end)
+    return memo[start.name]
+
+
+def _driven_over(start: Save, end: Save) -> dict[str, tuple[str, float]]:
+    keyed = _int_keyed_groups(end)
+    prefix = end.prefix("optimizer")
+    if keyed is None or prefix is None or not start.model_tensors:
+        return {}
+    _, param_groups = keyed
+    by_size: dict[int, list[str]] = {}
+    for name, entry in end.model_tensors.items():
+        old = start.model_tensors.get(name)
+        if old is None or list(old.shape) != list(entry.shape) or (entry.numel or 0) < _MIN_NUMEL:
+            continue
+        by_size.setdefault(entry.numel or 0, []).append(name)
+    entries = end.entries_by_name
+    changes: dict[tuple[str, int], NDArray[np.float64]] = {}
+
+    def change(name: str, count: int) -> NDArray[np.float64]:
+        """The tensor's change over the interval, over its first `count` elements."""
+        if (name, count) not in changes:
+            changes[name, count] = _head(end, end.model_tensors[name], count) - _head(
+                start, start.model_tensors[name], count
+            )
+        return changes[name, count]
+
+    driven: dict[str, tuple[str, float]] = {}
+    for pid in (str(p) for params in param_groups for p in params):
+        momentum = entries.get(f"{prefix}state.{pid}.exp_avg")
+        if momentum is None or len(by_size.get(momentum.numel or 0, [])) < 2:
+            continue
+        count = min(momentum.numel or 0, _FINGERPRINT)
+        direction = -_head(end, momentum, count)
+        second = entries.get(f"{prefix}state.{pid}.exp_avg_sq")
+        if second is not None and second.numel == momentum.numel:
+            direction = direction / (np.sqrt(np.abs(_head(end, second, count))) + 1e-8)
+        ranked = sorted(
+            (
+                (correlation(change(name, count), direction), name)
+                for name in by_size[momentum.numel or 0]
+            ),
+            reverse=True,
+        )
+        floor = max(0.1, 4 / math.sqrt(count))  # far above what unrelated tensors reach
+        (best, name), (runner_up, _) = ranked[0], ranked[1]
+        if best >= floor and best - runner_up >= floor:
+            driven[pid] = (name, best)
+    return driven
+
+
+def _head(save: Save, entry: Entry, count: int) -> NDArray[np.float64]:
+    """A tensor's fingerprint: its first `count` elements (read again where asked again, not
+    kept: a run of many saves would hold them all)."""
+    return head(save.opened.checkpoint, entry, count)
 
 
 def _int_keyed_groups(save: Save) -> tuple[OptimizerView, list[list[object]]] | None:

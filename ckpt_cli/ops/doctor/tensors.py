@@ -175,3 +175,23 @@ def raw_bytes(checkpoint: Checkpoint, entry: Entry, limit: int = 1 << 20) -> byt
     if entry.nbytes is not None and entry.nbytes > limit:
         return None
     return b"".join(checkpoint.iter_raw(entry.name))
+
+
+def head(checkpoint: Checkpoint, entry: Entry, count: int) -> NDArray[np.float64]:
+    """A tensor's first `count` elements (flattened, C order) as float64: a fingerprint to
+    correlate many tensors with each other in memory, read as `count` elements, not the whole
+    tensor, where the format stores raw bytes."""
+    if entry.dtype is not None and streams_raw(checkpoint, entry):
+        size = np.dtype(_NUMPY_VIEWS[entry.dtype]).itemsize
+        for piece in checkpoint.iter_raw(entry.name, block=count * size):
+            return _view(piece, entry.dtype)
+        return np.zeros(0)
+    first = next(blocks(checkpoint, entry), None)
+    return first[:count].copy() if first is not None else np.zeros(0)
+
+
+def correlation(x: NDArray[np.float64], y: NDArray[np.float64]) -> float:
+    """Pearson correlation of two vectors of the same size (0.0 where either is constant)."""
+    dx, dy = x - x.mean(), y - y.mean()
+    norm = math.sqrt(_dot(dx, dx) * _dot(dy, dy))
+    return _dot(dx, dy) / norm if norm > 1e-30 else 0.0
