@@ -1643,3 +1643,55 @@ def test_inspect_names_the_family_of_a_quantized_gguf(tmp_path: Path) -> None:
         architecture = result.json["result"]["architecture"]
         assert architecture is not None, qtype
         assert (architecture["architecture"], architecture["naming"]) == ("llama3", "gguf")
+
+
+def test_convert_to_hf_of_a_quantized_gguf_takes_the_models_config_and_tokenizer(
+    tmp_path: Path,
+) -> None:
+    """`--config` and `--dequantize` were refused together ("both write config.json"), so a
+    quantized GGUF, which needs `--dequantize`, could not take the original model's
+    config.json and tokenizer (`--config hf://org/model`): what a GGUF's metadata cannot say
+    (a rope scaling llama.cpp stores otherwise) had no way in. A GGUF holds no config.json to
+    rewrite, so the two now go together: the given config.json is written (checked against the
+    tensors), its folder's tokenizer files carried, and no tokenizer warning given."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    src = tmp_path / "model.gguf"
+    _llama_gguf(src, "Q8_0")
+    base = tmp_path / "base"
+    base.mkdir()
+    LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=128,
+        eos_token_id=[61, 62],
+    ).save_pretrained(base)
+    (base / "tokenizer.json").write_text('{"version": "1.0"}')
+    out = tmp_path / "hf"
+    result = run_ckpt(
+        "convert", src, out, "--to", "hf", "--dequantize", "--dtype", "fp32", "--config", base
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "tokenizer" not in result.stderr
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == [61, 62]
+    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=src.name, dtype=torch.float32
+    ).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert all(torch.equal(got[n], reference[n]) for n in reference)
+
+    # a config.json of another model is still refused against the tensors
+    LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=8).save_pretrained(
+        tmp_path / "other"
+    )
+    refused = run_ckpt(
+        "convert", src, tmp_path / "x", "--to", "hf", "--dequantize", "--config", tmp_path / "other"
+    )
+    assert refused.exit_code == 4, refused.stderr

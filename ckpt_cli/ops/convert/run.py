@@ -15,6 +15,7 @@ from pydantic import Field
 
 from ... import dtypes
 from ...architectures import HF
+from ...architectures.gguf import tokenizer_note
 from ...dist.command import RankShare, refuse_remote_split
 from ...errors import NotFoundError, UsageError, with_fix
 from ...formats import find_format, resolve_source
@@ -336,12 +337,6 @@ def convert(
                 path=str(dest_path),
                 fix="Name a folder as DEST (hf-model/), or leave --config out.",
             )
-        if dequantize:
-            raise UsageError(
-                "--config and --dequantize both write config.json",
-                fix="Leave --config out: --dequantize writes the source's config without its "
-                "quantization section.",
-            )
         given_config = read_config(config)
     opened = open_source(source, format)
     if naming is not None:
@@ -367,6 +362,14 @@ def convert(
         if naming is not None and not dequantize:
             refuse_quantized_naming(analysis, naming, src)
             refuse_block_quantized_naming(base, naming)
+        if dequantize and given_config is not None and not base.block_quantized():
+            # a format's own blocks (GGUF) come with no config.json to rewrite: --config
+            # gives the model's; a quantized model's config.json is rewritten by --dequantize
+            raise UsageError(
+                "--config and --dequantize both write config.json",
+                fix="Leave --config out: --dequantize writes the source's config without its "
+                "quantization section.",
+            )
         checkpoint, dequantizable = _readable(base, analysis, src, dequantize, cast)
         manifest = checkpoint.manifest
         # a chosen component that cannot be read is the error (exit 4, naming it), before the
@@ -499,6 +502,10 @@ def convert(
             missing = missing_config_warning(opened, target.name, select, carried, str(dest_path))
             if missing is not None:
                 warnings.append(missing)
+        if naming == HF and not any(n.startswith("tokenizer") for n in [*serving, *carried]):
+            # a GGUF keeps its tokenizer in its metadata, which is no file to carry
+            note = tokenizer_note(base, naming)
+            warnings += [note] if note is not None else []
         # what the target naming keeps beside the tensors (Megatron's common.pt...)
         options.companions.update(naming_files)
         carried = [rel for rel in carried if rel not in naming_files]

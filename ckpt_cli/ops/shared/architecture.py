@@ -374,7 +374,7 @@ def map_plan(
             tensors), a tensor no rule maps, or an arg the mapping needs is unknown.
     """
     from ...architectures import unrecognised
-    from ...architectures.gguf import tokenizer_note, unmapped
+    from ...architectures.gguf import unmapped
     from ...architectures.mapped import MappedCheckpoint
 
     with _naming(checkpoint.manifest.location):
@@ -427,9 +427,6 @@ def map_plan(
         # the dtype written: config.json's torch_dtype says what the weights are after --dtype
         dtype = cast or (max(set(dtypes), key=dtypes.count) if dtypes else None)
         warnings = _same_family(arch, model_type, where) if config is not None else []
-        if target == HF:
-            note = tokenizer_note(checkpoint, target)
-            warnings += [note] if note is not None else []
         args = _args(arch, shapes, naming, config, dtype, where, checkpoint)
         if flavor is not None:
             from ...architectures.flavors import flavor_args
