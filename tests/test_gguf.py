@@ -1372,7 +1372,10 @@ def _llama_gguf(
     writer.add_token_list([f"t{i}" for i in range(64)])
     writer.add_bos_token_id(60)
     writer.add_eos_token_id(61)
-    if rope_scaling is not None:  # llama.cpp's LlamaModel.generate_extra_tensors
+    if rope_scaling is not None and rope_scaling["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope_scaling["factor"]))  # type: ignore[arg-type]
+    elif rope_scaling is not None:  # llama.cpp's LlamaModel.generate_extra_tensors
         head_dim = dim // heads
         freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         factor = float(rope_scaling["factor"])  # type: ignore[arg-type]
@@ -1461,7 +1464,8 @@ def test_convert_to_hf_reads_llama_3_rope_scaling_from_the_gguf_factor_table(
     """llama.cpp keeps a Llama 3.1 rope scaling as a `rope_freqs.weight` table of factors,
     not metadata. The export recognises the table llama.cpp computes and writes the scaling
     into config.json, so the model runs as the one converted (transformers' own GGUF load
-    drops it); a table that is no such scaling is refused (exit 4), not dropped."""
+    drops it); a table that is no such scaling is refused (exit 4), not dropped. A linear
+    scaling (`rope.scaling.type`) is written as transformers spells it."""
     from transformers import AutoModelForCausalLM
 
     scaling = {
@@ -1481,6 +1485,14 @@ def test_convert_to_hf_reads_llama_3_rope_scaling_from_the_gguf_factor_table(
     assert model.config.rope_parameters["rope_type"] == "llama3"
     got = model.state_dict()
     assert all(torch.equal(got[n], t) for n, t in original.items())
+
+    linear = {"rope_type": "linear", "factor": 2.0}
+    _llama_gguf(tmp_path / "linear.gguf", "F32", rope_scaling=dict(linear))
+    result = run_ckpt("convert", tmp_path / "linear.gguf", tmp_path / "linear", "--to", "hf")
+    assert result.exit_code == 0, result.stderr
+    config = json.loads((tmp_path / "linear" / "config.json").read_text())
+    assert config["rope_scaling"] == linear
+    assert config["rope_parameters"] == {**linear, "rope_theta": 500000.0}
 
     # the same model with a table no llama3 scaling gives
     from gguf import GGUFReader, GGUFWriter
