@@ -356,6 +356,19 @@ def read_member(archive: zipfile.ZipFile, name: str, limit: int, where: str | No
     return bytes(out)
 
 
+#: bytes of a run's JSON record ckpt reads whole (`trainer_state.json`, `metrics.jsonl`): a
+#: sparse file of a few bytes on disk may claim gigabytes, and parsing takes twice its size and
+#: more (a 2 GB one: 4.2 GB and 20 s); the largest Trainer states are a few MB
+MAX_JSON_RECORD = 64 << 20
+
+
+def json_record_over_budget(size: int, limit: int = MAX_JSON_RECORD) -> str | None:
+    """Why a JSON record of `size` bytes is not read (past `limit`), or None."""
+    if size <= limit:
+        return None
+    return f"is {size:,} bytes, more than the {limit:,} ckpt reads of a JSON record"
+
+
 #: nodes (containers and the items in them) a loaded object may unfold to, counting each shared
 #: sub-object once per path to it: what any walk of it (a copy, a comparison, a writer) costs
 MAX_EXPANDED_NODES = 50_000_000

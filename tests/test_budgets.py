@@ -995,3 +995,53 @@ def test_a_dcp_tensor_of_a_million_dimensions_is_refused_in_a_short_message(tmp_
     run = ckpt_limited("inspect", bad)
     assert_refused(run, bad / ".metadata", "1,000,000 dimensions", "save the checkpoint again")
     assert len(run.stderr) < 1_000, run.stderr[:300]
+
+
+# -- a run's JSON records: trainer_state.json, metrics.jsonl -----------------------------------
+
+
+def _trainer_run(run: Path, steps: tuple[int, ...]) -> None:
+    """A run folder of Trainer checkpoints: weights and the Trainer's own `trainer_state.json`
+    (`TrainerState.save_to_json`, what `Trainer._save_checkpoint` writes)."""
+    from transformers import TrainerState
+
+    for step in steps:
+        folder = run / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        save_file({"w": torch.full((4,), float(step))}, folder / "model.safetensors")
+        state = TrainerState(global_step=step, log_history=[{"step": step, "loss": 1.0 / step}])
+        state.save_to_json(str(folder / "trainer_state.json"))
+
+
+def test_a_sparse_4_gib_trainer_state_json_is_never_read_whole(tmp_path: Path) -> None:
+    """A `trainer_state.json` extended to 4 GiB (a few bytes on disk, a sparse file) was read
+    whole and parsed by `latest`, `inspect`, `verify` and `doctor` (2 GiB: 4.2 GB RSS and 10 to
+    20 s each; past memory, a crash). It is past the budget of a JSON record (64 MiB): not read,
+    named unreadable, and the save holding it is not the one to resume from."""
+    run = tmp_path / "run"
+    _trainer_run(run, (10, 20))
+    state = run / "checkpoint-20" / "trainer_state.json"
+    os.truncate(state, 4 << 30)
+    verified = ckpt_limited("verify", run / "checkpoint-20")
+    assert_refused(verified, state, "more than the 67,108,864 ckpt reads", exit_code=1)
+    latest = ckpt_limited("latest", run)
+    assert latest.exit_code == 0, latest.stdout + latest.stderr
+    assert latest.stdout.strip().splitlines()[0] == str(run / "checkpoint-10")
+    assert latest.peak_rss < 1 << 30 and latest.cpu_s < CPU_LIMIT
+    inspected = ckpt_limited("inspect", run / "checkpoint-20")
+    assert inspected.exit_code == 0, inspected.stdout + inspected.stderr
+    assert "trainer_state.json=unreadable: is 4,294,967,296 bytes" in inspected.stdout
+    assert inspected.peak_rss < 1 << 30 and inspected.cpu_s < CPU_LIMIT
+
+
+def test_a_sparse_4_gib_metrics_jsonl_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """`prune --keep-best` read a run's `metrics.jsonl` whole and split it into a list of lines
+    (2 GiB of a sparse file: 4.2 GB RSS, 33 s). Past the budget of a JSON record it is refused
+    (exit 2, as a line that is not JSON), naming the file."""
+    run = tmp_path / "run"
+    _trainer_run(run, (10, 20))
+    metrics = run / "metrics.jsonl"
+    metrics.write_text('{"step": 10, "eval_loss": 2.0}\n{"step": 20, "eval_loss": 1.0}\n')
+    os.truncate(metrics, 4 << 30)
+    pruned = ckpt_limited("prune", run, "--keep-best", "eval_loss", "--keep-last", "1")
+    assert_refused(pruned, metrics, "more than the 67,108,864 ckpt reads", exit_code=2)

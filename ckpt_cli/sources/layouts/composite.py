@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ...budgets import json_record_over_budget
 from ...errors import REPORT_BUG, CkptError, FormatError, NotFoundError
 from ...faults import no_verdict
 from ...formats import get_format
@@ -107,6 +108,14 @@ def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
     from ...formats.torch.format import TorchEntry
 
     where = source.storage.describe(rel)
+    too_large = json_record_over_budget(source.storage.size(rel))
+    if too_large is not None:
+        raise FormatError(
+            f"{too_large} (a hostile or corrupt file)",
+            path=where,
+            fix="Trim its log_history (or the largest list in it), or restore it from a good "
+            "copy of the checkpoint.",
+        )
     try:
         doc = json.loads(source.storage.read_all(rel))
     except (UnicodeDecodeError, ValueError) as exc:

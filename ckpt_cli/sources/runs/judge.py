@@ -16,11 +16,11 @@ import json
 import math
 import re
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from ...budgets import read_member
+from ...budgets import json_record_over_budget, read_member
 from ...errors import CkptError, HubError, UsageError, with_fix
 from ...faults import no_verdict
 from ...formats.base import Source
@@ -438,6 +438,9 @@ def _trainer_state_problem(storage: Storage, folder: str, files: Mapping[str, in
     if f"{folder}/trainer_state.json" not in files:
         return "no trainer_state.json (the Trainer writes it last)"
     inside = folder_storage(storage, folder, files)
+    too_large = json_record_over_budget(files[f"{folder}/trainer_state.json"])
+    if too_large is not None:
+        return f"{inside.describe('trainer_state.json')}: {too_large}"
     try:
         json.loads(inside.read_all("trainer_state.json"))
     except (ValueError, OSError, RecursionError, CkptError) as exc:
@@ -726,6 +729,8 @@ def newest_trainer_state(
     states: list[tuple[float, str, dict[str, Any]]] = []
     for _order, rel in [*sorted(candidates, reverse=True)[:1], (0.0, "trainer_state.json")]:
         try:
+            if json_record_over_budget(storage.size(rel)) is not None:
+                continue  # not read: the checkpoint's own check names it
             doc = json.loads(storage.read_all(rel))
         except (OSError, ValueError, UnicodeDecodeError, RecursionError, CkptError) as exc:
             no_verdict(exc)  # the store or the OS refused: no verdict on the file
@@ -736,6 +741,31 @@ def newest_trainer_state(
         return None
     _step, rel, doc = max(states, key=lambda s: s[0])
     return storage.describe(rel), doc
+
+
+def _lines(text: str) -> Iterator[str]:
+    """The `\n`-separated lines of `text`, one at a time (a JSON Lines file's own separator:
+    JSON strings may hold U+2028, which `splitlines` would cut at)."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start)
+        if end < 0:
+            end = len(text)
+        yield text[start:end]
+        start = end + 1
+
+
+def check_metrics_size(size: int, where: str) -> None:
+    """Refuse (UsageError, as a line that is not JSON) a `metrics.jsonl` past the budget of a
+    JSON record, before it is read."""
+    too_large = json_record_over_budget(size)
+    if too_large is not None:
+        raise UsageError(
+            too_large,
+            path=where,
+            fix="Keep the metrics a run logs to one line per evaluation, or move the older "
+            "lines to another file.",
+        )
 
 
 def load_metrics(
@@ -756,9 +786,11 @@ def load_metrics(
     if metrics_file is not None:
         path, text = metrics_file
     elif isinstance(path, Path) and path.is_file():
-        text = path.read_text()
+        check_metrics_size(path.stat().st_size, str(path))
+        text = path.read_text(errors="replace")
     if text is not None:
-        for number, line in enumerate(text.splitlines(), 1):
+        # line by line, never a list of them: a log of short lines holds millions
+        for number, line in enumerate(_lines(text), 1):
             if not line.strip():
                 continue
             try:

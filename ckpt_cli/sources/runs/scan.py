@@ -21,6 +21,7 @@ from typing import Literal
 from ...storage import Storage
 from .judge import (
     best_by_metric,
+    check_metrics_size,
     deepspeed_states_step,
     json_number,
     judge_found,
@@ -289,6 +290,7 @@ def _metrics_file(storage: Storage) -> tuple[str, str]:
     """(where, text) of the run's `metrics.jsonl`, or ("", "") when it has none."""
     if not storage.exists(METRICS_FILE):
         return "", ""
+    check_metrics_size(storage.size(METRICS_FILE), storage.describe(METRICS_FILE))
     raw = storage.read_all(METRICS_FILE)
     return storage.describe(METRICS_FILE), raw.decode("utf-8", "replace")
 
