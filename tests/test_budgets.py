@@ -1045,3 +1045,23 @@ def test_a_sparse_4_gib_metrics_jsonl_is_refused_before_it_is_read(tmp_path: Pat
     os.truncate(metrics, 4 << 30)
     pruned = ckpt_limited("prune", run, "--keep-best", "eval_loss", "--keep-last", "1")
     assert_refused(pruned, metrics, "more than the 67,108,864 ckpt reads", exit_code=2)
+
+
+def test_a_sparse_4_gib_index_in_a_run_is_refused_within_the_index_budget(tmp_path: Path) -> None:
+    """`latest` judging a run read the index of each save whole (a `pytorch_model.bin.index.json`
+    extended to 2 GiB: 4.2 GB RSS and minutes, where `inspect` of the save refuses it past 128
+    MiB). The run's judgement reads indexes within the same budget: the save holding it is
+    damaged, and the one before it is the latest."""
+    run = tmp_path / "run"
+    _trainer_run(run, (10, 20))
+    index = run / "checkpoint-20" / "pytorch_model.bin.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"w": "model.safetensors"}}))
+    os.truncate(index, 4 << 30)
+    latest = ckpt_limited("latest", run, "--json")
+    assert latest.exit_code == 0, latest.stdout + latest.stderr
+    assert latest.peak_rss < 1 << 30 and latest.cpu_s < CPU_LIMIT
+    result = latest.json["result"]
+    assert result["latest"] == str(run / "checkpoint-10")
+    newest = next(c for c in result["checkpoints"] if c["name"] == "checkpoint-20")
+    assert newest["status"] != "complete"
+    assert "more than the 134,217,728 an index may take" in newest["reason"], newest

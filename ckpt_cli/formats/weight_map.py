@@ -57,6 +57,32 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
     the index's `metadata`).
     """
     where = storage.describe(rel)
+    index = load_index_json(storage, rel)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    # JSON object keys are strings; the values are checked at C speed (tens of thousands)
+    if not isinstance(weight_map, dict) or set(map(type, weight_map.values())) - {str}:
+        raise FormatError(
+            "has no valid weight_map (tensor name -> shard file)",
+            path=where,
+            fix="Write or fetch the index again (save_pretrained writes it with the shards).",
+        )
+    base = posixpath_dir(rel)
+    # thousands of tensors share a few shard names: check each name once
+    resolved = {
+        shard: _join(base, safe_relpath(shard, source=where)) for shard in set(weight_map.values())
+    }
+    # an index at the root naming its shards plainly (the common case) maps them as written
+    plain = all(shard == path for shard, path in resolved.items())
+    safe = weight_map if plain else {name: resolved[shard] for name, shard in weight_map.items()}
+    metadata = index.get("metadata") or {}
+    return safe, metadata if isinstance(metadata, dict) else {}
+
+
+def load_index_json(storage: Storage, rel: str) -> Any:
+    """The parsed JSON of a weight-map index, within budgets (`MAX_INDEX_BYTES`,
+    `MAX_INDEX_CONTAINERS`) checked before it is parsed; FormatError naming it past them, or
+    when it is no JSON."""
+    where = storage.describe(rel)
     size = storage.size(rel)
     if size > MAX_INDEX_BYTES:
         raise FormatError(
@@ -79,24 +105,7 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
         raise FormatError(
             f"is not valid JSON ({exc})", path=where, fix="Write or fetch the index again."
         ) from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    # JSON object keys are strings; the values are checked at C speed (tens of thousands)
-    if not isinstance(weight_map, dict) or set(map(type, weight_map.values())) - {str}:
-        raise FormatError(
-            "has no valid weight_map (tensor name -> shard file)",
-            path=where,
-            fix="Write or fetch the index again (save_pretrained writes it with the shards).",
-        )
-    base = posixpath_dir(rel)
-    # thousands of tensors share a few shard names: check each name once
-    resolved = {
-        shard: _join(base, safe_relpath(shard, source=where)) for shard in set(weight_map.values())
-    }
-    # an index at the root naming its shards plainly (the common case) maps them as written
-    plain = all(shard == path for shard, path in resolved.items())
-    safe = weight_map if plain else {name: resolved[shard] for name, shard in weight_map.items()}
-    metadata = index.get("metadata") or {}
-    return safe, metadata if isinstance(metadata, dict) else {}
+    return index
 
 
 def posixpath_dir(rel: str) -> str:

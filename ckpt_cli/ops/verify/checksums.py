@@ -31,6 +31,7 @@ from ...errors import (
 from ...formats import resolve_source
 from ...formats.base import Source
 from ...formats.names import is_index_file
+from ...formats.weight_map import MAX_INDEX_BYTES
 from ...models import Problem, Record
 from ...progress import Progress
 from ...sources.runs.records import CHECKSUM_MANIFEST
@@ -765,6 +766,8 @@ def _rewritten_index(
     such shard here. None otherwise (it is then compared byte for byte, and fails)."""
     if path.stat().st_size == hub_size:
         return None  # the same size: compared by digest like any file
+    if max(path.stat().st_size, hub_size) > MAX_INDEX_BYTES:
+        return None  # past what ckpt reads of an index: compared by digest, and fails
     try:
         mine = json.loads(path.read_bytes())["weight_map"]
         theirs = json.loads(storage.read_all(name))["weight_map"]

@@ -26,6 +26,7 @@ from ...faults import no_verdict
 from ...formats.base import Source
 from ...formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
 from ...formats.sniff import SNIFF_BYTES, is_pickle, what_is
+from ...formats.weight_map import load_index_json
 from ...storage import LocalStorage, Storage, StorageRangeFile, is_parity_path
 from ...storage.base import FolderView
 from ...storage.output import TMP_MARKER, staging_held
@@ -311,7 +312,7 @@ class _TailFile(StorageRangeFile):
 def _check_torch_index(storage: Storage, rel: str) -> str | None:
     where = storage.describe(rel)
     try:
-        index = json.loads(storage.read_all(rel))
+        index = load_index_json(storage, rel)
         shards = set(index["weight_map"].values())
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CkptError) as exc:
         no_verdict(exc)  # the store or the OS refused: no verdict on the file
@@ -382,9 +383,7 @@ def _components(
 def _index_shards(storage: Storage, folder: str, name: str) -> set[str]:
     """The shard names an index names (its format's check reads them with it)."""
     try:
-        weight_map = json.loads(folder_storage(storage, folder).read_all(name)).get(
-            "weight_map", {}
-        )
+        weight_map = load_index_json(folder_storage(storage, folder), name).get("weight_map", {})
         return {v for v in weight_map.values() if isinstance(v, str)}
     except (ValueError, AttributeError, OSError, RecursionError, CkptError) as exc:
         no_verdict(exc)  # the store or the OS refused: no verdict on the file
