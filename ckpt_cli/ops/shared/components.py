@@ -11,7 +11,9 @@ rename once every component is written.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Protocol, TypeVar
 
 from ...errors import FormatError, UsageError
@@ -171,10 +173,30 @@ def write_components(
                     files.append(FileInfo(path=rel, size=target.stat().st_size, entries=0))
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
-            data = source.storage.read_all(rel)
-            target.write_bytes(data)
-            files.append(FileInfo(path=rel, size=len(data), entries=0))
+            size = _copy_file(source, rel, target)
+            files.append(FileInfo(path=rel, size=size, entries=0))
     return files, reports
+
+
+#: bytes of a carried file held at once
+_COPY_CHUNK = 16 << 20
+_ZEROS = bytes(_COPY_CHUNK)
+
+
+def _copy_file(source: Source, rel: str, target: Path) -> int:
+    """Copy `rel` of `source` to `target` a chunk at a time (never whole: a scheduler config
+    extended to gigabytes, a sparse file, is a few bytes on disk), leaving a hole where the
+    source reads zeros, so the copy takes the disk the source does. Returns its size."""
+    size = source.storage.size(rel)
+    with target.open("wb") as out:
+        for offset in range(0, size, _COPY_CHUNK):
+            chunk = source.storage.read(rel, offset, min(_COPY_CHUNK, size - offset))
+            if chunk == _ZEROS[: len(chunk)]:
+                out.seek(len(chunk), os.SEEK_CUR)
+            else:
+                out.write(chunk)
+        out.truncate(size)  # a file ending in a hole: its length
+    return size
 
 
 def _component_jobs(
