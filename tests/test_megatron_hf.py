@@ -210,6 +210,23 @@ def test_a_megatron_save_moves_to_torchtitan_and_back_through_the_hf_naming(
     assert close(logits, truth) <= TOLERANCE and step["moved"]
 
 
+def test_an_untied_output_layer_left_out_is_refused_not_tied_to_the_embedding(
+    megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    """Megatron-LM's args say the model's output layer is its own
+    (`untie_embeddings_and_output_weights`); `--filter-out 'output_layer.*'` left it out and
+    the export wrote `tie_word_embeddings: true`, exit 0: transformers then computes the
+    logits with the embedding, another model. It is refused, as a config.json saying untied
+    is for weights without an output projection."""
+    folder, _ = megatron_save
+    out = tmp_path / "hf"
+    r = run_ckpt("convert", folder, out, "--to", "hf", "--filter-out", "output_layer.*")
+    assert r.exit_code == 4, r.stdout + r.stderr
+    assert "untie_embeddings_and_output_weights" in r.stderr and "no output projection" in r.stderr
+    assert "--filter-out" in r.stderr
+    assert not out.exists()
+
+
 def test_diff_compares_a_megatron_save_with_its_hf_export_through_the_mapping(
     megatron_save: tuple[Path, torch.Tensor], tmp_path: Path
 ) -> None:

@@ -162,7 +162,22 @@ def _args(
 ) -> ModelArgs:
     """The args from the shapes and what the source keeps beside them (Megatron's `args`),
     completed by `config` (which must agree with both)."""
-    found = arch.args_from_shapes(shapes, naming).merged(arch.args_from_source(checkpoint, naming))
+    shaped = arch.args_from_shapes(shapes, naming)
+    own = arch.args_from_source(checkpoint, naming)
+    head = arch.tied[HF][1] if HF in arch.tied else "lm_head.weight"
+    if shaped.tie_embeddings is True and own.tie_embeddings is False:
+        # the shapes say tied only because no output projection is there: the save's own
+        # args know it was trained untied, so the one it lacks was left out (a filter)
+        raise FormatError(
+            f"the save's own args say its output projection is trained apart from the "
+            f"embedding (Megatron-LM's untie_embeddings_and_output_weights), but the weights "
+            f"hold no output projection (transformers' {head!r}): the output would tie it "
+            "to the embedding, another model",
+            path=where,
+            fix="Convert the whole model: no --filter / --filter-out that leaves the output "
+            "projection out.",
+        )
+    found = shaped.merged(own)
     if config is None:
         return found.model_copy(update={"dtype": dtype})
     conflicts = arch.config_conflicts(config)
