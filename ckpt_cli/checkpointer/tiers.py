@@ -94,6 +94,11 @@ def _repair(
             [],
             f"{problem.rstrip('.')}; the damage is beyond its parity ({lost} cannot be rebuilt)",
         )
+    if not report.rebuilt:
+        return [], (
+            f"{problem.rstrip('.')}; its parity finds every file it covers intact (the damage "
+            "is in one it does not cover)"
+        )
     folder = Path(save.path)
     rebuilt = [
         Path(name).relative_to(folder).as_posix() if Path(name).is_relative_to(folder) else name
@@ -103,7 +108,7 @@ def _repair(
         "checkpoint %s failed its check (%s): rebuilt %s from its parity",
         save.path,
         problem,
-        ", ".join(rebuilt) or "nothing",
+        ", ".join(rebuilt),
     )
     return rebuilt, None
 
@@ -120,7 +125,12 @@ def check(
     folder = Path(path)
     digests = (folder / MANIFEST_NAME).is_file() or (folder / PARITY_DIR).is_dir()
     with_sums = checks == "checksums" and digests
-    report = verify(path, checksums=with_sums, progress=progress)
+    try:
+        report = verify(path, checksums=with_sums, progress=progress)
+    except (FormatError, IOFailure) as error:
+        # a file verify reads before it judges (the checksum or parity manifest) is garbled,
+        # or cannot be read: the save is damaged, as with any problem it reports
+        return [], _located(str(error.path or path), error.problem)
     if report.ok:
         return report.checks, None
     first = next(p for p in report.problems if p.severity == "error")
