@@ -373,9 +373,16 @@ def test_a_newest_save_that_lost_its_metadata_is_rebuilt_from_its_parity_and_loa
     assert latest(run) == str(run / "step-8")
 
 
-@pytest.mark.parametrize("protect", [0, 1])
+@pytest.mark.parametrize(
+    ("garbled", "protect"),
+    [
+        ("ckpt-manifest.json", 0),
+        ("ckpt-manifest.json", 1),
+        (".ckpt-parity/parity.index.json", 1),
+    ],
+)
 def test_a_newest_save_whose_checksum_manifest_is_corrupt_is_passed_over_with_the_reason(
-    tmp_path: Path, protect: int
+    tmp_path: Path, garbled: str, protect: int
 ) -> None:
     """A save's `ckpt-manifest.json` garbled on disk: load_latest raised verify's FormatError
     ("is not a valid ckpt checksum manifest") instead of judging the save damaged and passing
@@ -391,14 +398,16 @@ def test_a_newest_save_whose_checksum_manifest_is_corrupt_is_passed_over_with_th
                 model.weight.fill_(step)
             ck.save(step, {"model": model})
             assert (record := ck.wait()) is not None and record.phase == "done", record
-    (run / "step-2" / "ckpt-manifest.json").write_text("{garbled")
+    (run / "step-2" / garbled).write_text("{garbled")
     fresh = torch.nn.Linear(8, 8)
     loaded = Checkpointer(run).load_latest({"model": fresh})
     assert loaded is not None
     assert loaded.step == 1 and loaded.repaired == [] and len(loaded.skipped) == 1, loaded
-    assert loaded.skipped[0].startswith("step-2: ") and "ckpt-manifest.json" in loaded.skipped[0]
-    if protect:
+    assert loaded.skipped[0].startswith("step-2: ") and garbled in loaded.skipped[0]
+    if protect and garbled == "ckpt-manifest.json":
         assert "parity finds every file it covers intact" in loaded.skipped[0]
+    if protect and garbled != "ckpt-manifest.json":
+        assert loaded.skipped[0].endswith("so its parity cannot rebuild it"), loaded.skipped
     assert torch.equal(fresh.weight, torch.full_like(fresh.weight, float(loaded.step)))
 
 

@@ -87,6 +87,9 @@ def _repair(
     try:
         report = repair(save.path, progress=progress)
     except (CkptError, OSError) as error:
+        said = error.problem if isinstance(error, CkptError) else str(error)
+        if said in problem:  # (the parity's own manifest is what is damaged: said once)
+            return [], f"{problem.rstrip('.')}; so its parity cannot rebuild it"
         return [], f"{problem.rstrip('.')}; its parity could not rebuild it: {error}"
     if not report.ok:
         lost = ", ".join(Path(name).name for name in report.unrecoverable)
