@@ -190,6 +190,40 @@ def test_an_fsdp_save_without_rank_1s_rng_states_fails_verify(
     assert model.exit_code == 0, model.stderr
 
 
+def test_an_fsdp_save_without_any_rng_states_fails_verify_and_is_no_latest(
+    accelerate_fsdp_saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """Both `random_states_{0,1}.pkl` gone: no rank's file left to say how many there were, so
+    ckpt said OK, though `save_state` writes every process's into every save and the DCP
+    folders' `__1_0.distcp` say both ranks saved here."""
+    good = accelerate_fsdp_saves["sharded"]
+    run = tmp_path / "run"
+    shutil.copytree(good, run / "step_2")
+    _age(run / "step_2")
+    damaged = shutil.copytree(good, run / "step_4")
+    for rank in range(2):
+        (damaged / f"random_states_{rank}.pkl").unlink()
+    _age(damaged)
+    found = _missing_rank_rng(damaged)
+    assert [p["file"] for p in found] == [str(damaged / f"random_states_{r}.pkl") for r in (0, 1)]
+    assert "__1_0.distcp" in found[1]["message"] and "rank 1's own data" in found[1]["message"]
+    training = run_ckpt("inspect", damaged, "--json").json["result"]["training"]
+    assert training["resumable"] is True and training["exact"] is False
+    # the truth: load_state restores everything else, and neither rank's RNG is the saved one
+    differs = _restored_differently("SHARDED_STATE_DICT", good, damaged, tmp_path)
+    assert {d.split(":")[0] for d in differs} == {"rank 0", "rank 1"}, differs[:5]
+    assert all(d.split(": ")[1].startswith(".rng.") for d in differs), differs[:5]
+    result = run_ckpt("latest", run, "--json")
+    assert result.json["result"]["latest"] == str(run / "step_2"), result.stdout
+    rows = {c["name"]: c for c in result.json["result"]["checkpoints"]}
+    assert rows["step_4"]["status"] == "incomplete"
+    assert "random_states_0.pkl" in rows["step_4"]["reason"]
+    refused = run_ckpt("convert", damaged, tmp_path / "out", "--to", "dcp")
+    assert refused.exit_code == 4 and "--filter-out 'rng_0*' --filter-out 'rng_1*'" in (
+        refused.stderr
+    )
+
+
 @pytest.mark.parametrize(
     ("removed", "blamed", "code", "says"),
     [

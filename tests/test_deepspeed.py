@@ -632,6 +632,34 @@ def test_a_trainer_checkpoint_under_deepspeed_keeps_the_trainers_rng_and_data_po
     assert training["exact"] is False and training["rng_ranks"] == [0]
 
 
+def test_a_trainer_deepspeed_checkpoint_that_lost_every_rng_state_fails_and_is_no_latest(
+    trainer_zero_run: Path, tmp_path: Path
+) -> None:
+    """Both `rng_state_{0,1}.pth` gone from a Trainer checkpoint under DeepSpeed: no rank's file
+    left to count, so `verify` said OK and `latest` named it. The Trainer writes them with
+    DeepSpeed's state, before its `trainer_state.json`, and the ZeRO partitions say both ranks
+    saved."""
+    from .run_fixtures import age
+
+    run = shutil.copytree(trainer_zero_run, tmp_path / "run")
+    age(run)
+    damaged = run / "checkpoint-4"
+    for rank in range(2):
+        (damaged / f"rng_state_{rank}.pth").unlink()
+    result = run_ckpt("verify", damaged, "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = [p for p in result.json["result"]["problems"] if p["severity"] == "error"]
+    assert [(p["code"], p["file"]) for p in problems] == [
+        ("missing_rank_rng", str(damaged / f"rng_state_{rank}.pth")) for rank in range(2)
+    ]
+    assert "zero_pp_rank_1" in problems[1]["message"]
+    latest = run_ckpt("latest", run, "--json")
+    assert latest.json["result"]["latest"] == str(run / "checkpoint-2"), latest.stdout
+    rows = {c["name"]: c for c in latest.json["result"]["checkpoints"]}
+    assert rows["checkpoint-4"]["status"] == "incomplete"
+    assert "rng_state_0.pth" in rows["checkpoint-4"]["reason"]
+
+
 @pytest.mark.parametrize(
     "how", [("--select", "model", "--to", "safetensors"), ("--to", "hf")], ids=["select", "hf"]
 )

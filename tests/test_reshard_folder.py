@@ -344,10 +344,16 @@ def test_trainer_fsdp_reshard_dry_run_and_hidden_files(
         "skipped"
     ]
     assert not (tmp_path / "bare" / "config.json").exists()
-    # ckpt reads the output as the Trainer checkpoint it is
+    # ckpt reads the output as the Trainer checkpoint it is: resumable, and without any
+    # rank's RNG states, which the Trainer saves with the FSDP optimizer state, so `verify`
+    # names each (as it names those a `--rank-state keep` output lacks) and the choice made
     inspected = run_ckpt("inspect", out, "--json").json["result"]["training"]
     assert inspected["layout"] == "hf-trainer" and inspected["resumable"] is True
-    assert run_ckpt("verify", out).exit_code == 0
+    checked = run_ckpt("verify", out, "--json")
+    assert checked.exit_code == 1, checked.stdout
+    problems = checked.json["result"]["problems"]
+    assert [p["file"] for p in problems] == [str(out / f"rng_state_{r}.pth") for r in range(3)]
+    assert all("--rank-state drop" in p["fix"] for p in problems), problems[0]
 
 
 def test_ddp_trainer_checkpoint_gets_the_new_worlds_rng_files(

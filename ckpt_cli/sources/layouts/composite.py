@@ -771,14 +771,19 @@ def lost_component(rel: str) -> str:
 RANK_RNG_CODES = ("missing_rank_rng", "rank_rng_elsewhere")
 
 
-def missing_rank_states(source: Source, folder: Folder, layout: Layout) -> list[Problem]:
+def missing_rank_states(
+    source: Source, folder: Folder, layout: Layout, *, every_save: bool | None = None
+) -> list[Problem]:
     """Every process of a multi-process save writes its own RNG states (`Layout.rank_files`:
     accelerate's `random_states_{r}.pkl`, the Trainer's `rng_state_{r}.pth`): one problem per
     rank whose file is not here, as many ranks as the save's own files say it was made by
     (`saved_world`). Neither framework's loader fails without it: accelerate's `load_state`
     and the Trainer log a line and go on with the RNG as it is, so the resumed run is
     silently not the one it continues. None when the save holds no per-rank file at all (no
-    RNG state: what `verify --exact` reports).
+    RNG state: what `verify --exact` reports), unless the framework wrote them into this save
+    (`every_save`; by default, when `Layout.last_file` is the per-rank file: accelerate's
+    `save_state` writes them into every save): then every rank whose own data files are here
+    (an FSDP folder's `__1_0.distcp`, a ZeRO partition) lost its file.
 
     `missing_rank_rng` (an error) when the file was lost for certain: the rank's own data
     files are here, or ranks on both sides of it saved theirs here. Otherwise
@@ -789,13 +794,17 @@ def missing_rank_states(source: Source, folder: Folder, layout: Layout) -> list[
     if layout.rank_files is None:
         return []
     have = {r for r in map(layout.rank_file_rank, folder.names) if r is not None}
-    if not have:
+    if every_save is None:
+        every_save = layout.last_file is not None and bool(
+            layout.last_file.fullmatch(layout.rank_file_name(0, 1))
+        )
+    if not have and not every_save:
         return []
     saved = saved_world(source, folder, layout)
     problems: list[Problem] = []
     for rank in range(saved.world):
-        if rank in have:
-            continue
+        if rank in have or (not have and rank not in saved.with_data):
+            continue  # with none here, only a rank's own data files say it saved here
         file = source.storage.describe(folder.rel(layout.rank_file_name(rank, saved.world)))
         loss = (
             f"{layout.name}'s loader restores none for rank {rank} without this file (it logs "
@@ -818,7 +827,8 @@ def missing_rank_states(source: Source, folder: Folder, layout: Layout) -> list[
                     fix="Copy the file again from where the run saved it, or resume from "
                     "another save of the run (`ckpt latest RUN_DIR` names the newest whole "
                     "one); a folder re-cut for more ranks by `ckpt reshard --rank-state keep` "
-                    "has none for the new ranks (`--rank-state replicate` gives them rank 0's).",
+                    "has none for the new ranks (`--rank-state replicate` gives them rank 0's), "
+                    "one re-cut with `--rank-state drop` none at all.",
                 )
             )
         else:

@@ -145,7 +145,10 @@ class DeepSpeed(Layout):
                 root=True,
                 several=saved_world(source, root, trainer)[0] > 1,
             )
-            folder.problems.extend(missing_rank_states(source, root, trainer))
+            # the Trainer writes them with DeepSpeed's state (no `save_only_model`, or there
+            # would be no `global_stepN/`), before the `trainer_state.json` it writes last
+            written = "trainer_state.json" in top
+            folder.problems.extend(missing_rank_states(source, root, trainer, every_save=written))
             if "trainer_state.json" in top:
                 folder.add("trainer_state", "trainer_state.json", "json", root=True)
             folder.list_training_args(root=True)

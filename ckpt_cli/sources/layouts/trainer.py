@@ -132,7 +132,14 @@ class Trainer(Layout):
         return (
             _trainer_missing(source, folder)
             + missing_rank_files(source, folder, self.rank_files)
-            + missing_rank_states(source, folder, self)
+            # under DeepSpeed the rank files are all the Trainer's own of the save (see
+            # `_trainer_missing`); the ZeRO partitions say which ranks saved
+            + missing_rank_states(
+                source,
+                folder,
+                self,
+                every_save=_deepspeed(source) and folder.has("trainer_state.json"),
+            )
             + _foreign_trainer_state(source, folder)
         )
 
@@ -206,6 +213,11 @@ def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dic
 
 
 _OTHER = "Use another checkpoint of the run (`ckpt latest` names the newest whole one)."
+#: a folder `ckpt reshard --rank-state drop` wrote holds no RNG file, as one that lost them
+_DROPPED = (
+    " A folder re-cut by `ckpt reshard --rank-state drop` holds none: each rank starts with "
+    "fresh RNG states (`--rank-state replicate` gives every rank one)."
+)
 
 
 def _model_only(source: Source, folder: Folder) -> bool:
@@ -328,8 +340,8 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
     sibling checkpoints say so. Under FSDP the optimizer is accelerate's (`optimizer_0/`,
     `optimizer.bin`), beside the Trainer's own `scheduler.pt` and every process's
     `rng_state_{r}.pth`, so a save that lost all of those is told by its optimizer state."""
-    if any(n.startswith("global_step") for n in source.files):
-        return []  # DeepSpeed state: its own layout reads the folder
+    if _deepspeed(source):
+        return []  # DeepSpeed state: `missing_rank_states` judges the RNG files
     fsdp = [n for n in ("optimizer_0/", "optimizer.bin") if _holds(folder, n)]
     missing = [n for n in _TRAINER_STATE_FILES if not folder.has(n)]
     if fsdp:
@@ -390,10 +402,16 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
                 else "this checkpoint cannot resume training where it stopped"
             ),
             file=source.storage.describe(name),
-            fix=_OTHER,
+            fix=_OTHER + (_DROPPED if re.fullmatch(_RNG, name) else ""),
         )
         for name, why in reasons.items()
     ]
+
+
+def _deepspeed(source: Source) -> bool:
+    """Whether DeepSpeed saved the training state (`global_stepN/` beside the Trainer's files:
+    only without `save_only_model`)."""
+    return any(n.startswith("global_step") for n in source.files)
 
 
 def _holds(folder: Folder, name: str) -> bool:
