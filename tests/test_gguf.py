@@ -1707,3 +1707,22 @@ def test_convert_to_hf_of_a_quantized_gguf_takes_the_models_config_and_tokenizer
         "convert", src, tmp_path / "x", "--to", "hf", "--dequantize", "--config", tmp_path / "other"
     )
     assert refused.exit_code == 4, refused.stderr
+
+
+def test_diff_of_a_quantized_gguf_and_its_export_points_to_dequantize(tmp_path: Path) -> None:
+    """`diff model.gguf export/` of a Q8_0 GGUF and its `--to hf --dequantize` export said
+    "DIFFERENT: 21 only in A, 21 only in B" with no word of why: the quantized weights are
+    no tensors to read through the naming mapping. A warning now says they are the other
+    side's model in llama.cpp's names and that `--dequantize` compares them (which gives
+    IDENTICAL with `--dtype fp32`)."""
+    src = tmp_path / "model.gguf"
+    _llama_gguf(src, "Q8_0")
+    out = tmp_path / "hf"
+    made = run_ckpt("convert", src, out, "--to", "hf", "--dequantize", "--dtype", "fp32")
+    assert made.exit_code == 0, made.stderr
+    plain = run_ckpt("diff", src, out)
+    assert plain.exit_code == 1
+    assert "--dequantize" in plain.stderr and "gguf names" in plain.stderr
+    same = run_ckpt("diff", src, out, "--dequantize")
+    assert same.exit_code == 0, same.stdout + same.stderr
+    assert "IDENTICAL" in same.stdout and "--dequantize" not in same.stderr

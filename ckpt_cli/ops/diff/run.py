@@ -650,6 +650,10 @@ def diff_with(
             hint = select_hint(((opened_a, ca), (opened_b, cb)))
             if hint is not None:
                 warnings.append(hint)
+        if naming_map is None and not request.dequantize and request.naming != OFF:
+            hint = _dequantize_hint(((ca, a), (cb, b)))
+            if hint is not None:
+                warnings.append(hint)
         for opened, where in ((opened_a, a), (opened_b, b)):
             # a component that cannot be read would otherwise vanish from both the comparison
             # and the verdict: two saves whose optimizers differ were called IDENTICAL
@@ -915,6 +919,38 @@ def _lined(raw: str, prefix: str, renames: Sequence[tuple[str, str]]) -> str | N
     if not raw.startswith(prefix):
         return None
     return rename(raw[len(prefix) :], renames)
+
+
+def _dequantize_hint(sides: tuple[tuple[Checkpoint, str], ...]) -> str | None:
+    """What to say when a side's weights are a format's own quantized blocks (a GGUF's Q8_0)
+    of one model family whose other side is in another naming (its `--to hf --dequantize`
+    export): stored blocks are no tensors the naming mapping reads, so every name stood on
+    one side only, unexplained; `--dequantize` reads them as tensors, through the mapping."""
+    from ...architectures import recognise
+
+    found = []
+    quantized: tuple[str, int] | None = None
+    for checkpoint, where in sides:
+        blocks = checkpoint.block_quantized()
+        names = [
+            e.name for e in checkpoint.manifest.entries if e.kind == "tensor" or e.name in blocks
+        ]
+        rec = recognise(names) if names else None
+        if rec is None:
+            return None
+        found.append(rec)
+        if blocks and quantized is None:
+            quantized = (where, len(blocks))
+    a, b = found
+    if quantized is None or a.architecture is not b.architecture or a.naming == b.naming:
+        return None
+    where, count = quantized
+    return (
+        f"{where}: its {count} quantized tensors are {a.architecture.title} weights in "
+        f"{a.naming if where == sides[0][1] else b.naming} names, compared as stored bytes "
+        "under their own names; --dequantize reads them as tensors and compares them with "
+        "the other side through the naming mapping"
+    )
 
 
 def _dequantized(
