@@ -1093,3 +1093,21 @@ def test_a_sparse_file_of_a_pipeline_is_carried_a_chunk_at_a_time(
         while block := a.read(64 << 20):
             assert b.read(64 << 20) == block
     DiffusionPipeline.from_pretrained(out)
+
+
+def test_a_sparse_4_gib_slim_record_of_a_run_is_never_read_whole(tmp_path: Path) -> None:
+    """ckpt's own record of the files `prune --slim-older-than` slimmed (`.ckpt-slim.json` in
+    the run folder) was read whole by every judgement of the run: extended to 2 GiB (a sparse
+    file), `latest` took 4.2 GB and 32 s. A record past the budget of a JSON record is none
+    `prune` writes: it is not read, and the run is judged as without it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (100, 200):
+        torch.save({"model": {"w": torch.ones(4)}, "step": step}, run / f"step_{step}.pt")
+    record = run / ".ckpt-slim.json"
+    record.write_text("{}\n")
+    os.truncate(record, 4 << 30)
+    latest = ckpt_limited("latest", run)
+    assert latest.exit_code == 0, latest.stdout + latest.stderr
+    assert latest.stdout.strip().splitlines()[0] == str(run / "step_200.pt")
+    assert latest.peak_rss < 1 << 30 and latest.cpu_s < CPU_LIMIT

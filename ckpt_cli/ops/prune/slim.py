@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
+from ...budgets import json_record_over_budget
 from ...errors import CkptError, FormatError, IOFailure
 from ...formats import find_format, get_format
 from ...formats.base import Checkpoint
@@ -440,6 +441,9 @@ def _write_file_record(root: Path, stamped: Path, record: dict[str, object]) -> 
     (the file itself, or the rewrite that is about to take its name)."""
     run_record = root.parent / RUN_SLIM_RECORD
     try:
+        # past the budget: no record this writes, and read whole it would choose the memory
+        if json_record_over_budget(run_record.stat().st_size) is not None:
+            raise ValueError("not a record prune writes")
         doc = json.loads(run_record.read_text())
         if not isinstance(doc, dict):
             doc = {}

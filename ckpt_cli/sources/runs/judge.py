@@ -422,8 +422,11 @@ def _is_slim(run: RunListing, item: Found, files: Mapping[str, int]) -> bool:
     if stamp is None:
         return False
     parent, _, name = primary.rpartition("/")
+    record = f"{parent}/{RUN_SLIM_RECORD}".lstrip("/")
     try:
-        doc = json.loads(run.storage.read_all(f"{parent}/{RUN_SLIM_RECORD}".lstrip("/")))
+        if json_record_over_budget(run.storage.size(record)) is not None:
+            return False  # no record `prune` writes (one line per slimmed file) is that long
+        doc = json.loads(run.storage.read_all(record))
     except (OSError, ValueError, RecursionError, CkptError) as exc:
         no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return False
