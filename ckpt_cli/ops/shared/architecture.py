@@ -406,7 +406,7 @@ def map_plan(
                     SkippedEntry(
                         name=item.source.name,
                         kind=item.source.kind,
-                        reason=f"not a model weight (the {target} naming holds weights only)",
+                        reason=_not_a_weight(target),
                     )
                 )
         # the names as selection and renames made them, and what each is read from
@@ -511,6 +511,11 @@ def map_plan(
         return MappedSource(mapped, new_plan, report, config_bytes, output, origins, warnings)
 
 
+def _not_a_weight(naming: str) -> str:
+    """Why a non-tensor entry is left out of an output in `naming`."""
+    return f"not a model weight (the {naming} naming holds weights only)"
+
+
 def _through_hf(
     checkpoint: Checkpoint,
     plan: TransferPlan,
@@ -572,6 +577,13 @@ def _through_hf(
         }
     )
     origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
+    # the source's non-tensor entries were left out by the first step, for the output's naming
+    out.plan.skipped = [
+        s.model_copy(update={"reason": _not_a_weight(target)})
+        if s.reason == _not_a_weight(HF)
+        else s
+        for s in out.plan.skipped
+    ]
     return replace(
         out,
         report=report,
