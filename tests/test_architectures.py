@@ -80,6 +80,36 @@ def _llama_hf(folder: Path, *, heads: int = 4, kv_heads: int = 2, layers: int = 
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def test_a_family_with_no_megatron_naming_is_refused_naming_the_namings_it_has(
+    tmp_path: Path,
+) -> None:
+    """`--to megatron` of a torchtitan Qwen3 (a family ckpt maps between hf and torchtitan
+    only) mapped it to Hugging Face's names first and then failed with "Qwen3 has no mapping
+    from the hf naming to the megatron naming", a naming the user never named. It is refused
+    up front: no megatron naming, which ones there are, and the --to that works."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=40,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "qwen3")
+    titan = tmp_path / "titan"
+    assert run_ckpt("convert", tmp_path / "qwen3", titan, "--to", "torchtitan").exit_code == 0
+    out = tmp_path / "megatron"
+    r = run_ckpt("convert", titan, out, "--to", "megatron")
+    assert r.exit_code == 4, r.stdout + r.stderr
+    assert "Qwen3 has no megatron naming: ckpt knows it in hf, torchtitan names" in r.stderr
+    assert "--to hf" in r.stderr and "hf naming" not in r.stderr
+    assert not out.exists()
+
+
 def test_rotary_permute_is_transformers_permute_and_inverts() -> None:
     """The permutation is transformers' `convert_llama_weights_to_hf.permute`, and the two
     directions undo each other exactly."""

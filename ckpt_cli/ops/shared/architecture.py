@@ -423,6 +423,15 @@ def map_plan(
             if found is None:
                 raise unrecognised(names, target, where)
             arch, naming = found.architecture, found.naming
+        if target not in arch.namings():
+            others = [f"--to {n}" for n in arch.namings() if n != naming]
+            raise FormatError(
+                f"{arch.title} has no {target} naming: ckpt knows it in "
+                f"{', '.join(arch.namings())} names",
+                path=where,
+                fix=f"Convert it {' / '.join(others)}{', or ' if others else ''}--to "
+                "safetensors / dcp to keep the names as they are.",
+            )
         if HF not in (naming, target) and naming != target:
             # two native namings (Megatron to torchtitan): through Hugging Face's, the pivot
             # every family maps to and from, as `diff` reads them
