@@ -584,6 +584,59 @@ def test_load_latest_after_close_on_two_ranks_says_the_checkpointer_is_closed(
         assert result["new_checkpointer_loaded"] == 1
 
 
+REPAIR_ON_TWO_RANKS_SCRIPT = """
+import json, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from ckpt_cli import Checkpointer
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+run, out = Path(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+model = torch.nn.Linear(64, 64)
+with Checkpointer(run, protect=1) as ck:
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        ck.save(step, {"model": model, "seen": 10 * rank + step})
+dist.barrier()
+if rank == 0:  # a bit of the newest save flips on the shared disk
+    storage = FileSystemReader(str(run / "step-2")).read_metadata().storage_data
+    weight = next(info for index, info in storage.items() if index.fqn == "model.weight")
+    shard = run / "step-2" / weight.relative_path
+    data = bytearray(shard.read_bytes())
+    data[weight.offset + weight.length // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+dist.barrier()
+into = {"model": torch.nn.Linear(64, 64), "seen": 0}
+loaded = Checkpointer(run).load_latest(into)
+with open(f"{out}.rank{rank}.json", "w") as f:
+    json.dump({"step": loaded.step, "repaired": loaded.repaired, "seen": into["seen"],
+               "weight": into["model"].weight.unique().tolist()}, f)
+dist.barrier()
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_two_ranks_resume_from_a_damaged_save_their_parity_rebuilds(tmp_path: Path) -> None:
+    import json
+
+    from .dist_helpers import run_torchrun
+
+    script = tmp_path / "repair_on_two_ranks.py"
+    script.write_text(REPAIR_ON_TWO_RANKS_SCRIPT)
+    run_torchrun(script, 2, tmp_path / "run", tmp_path / "out")
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
+        assert result["step"] == 2 and result["seen"] == 10 * rank + 2, result
+        assert result["weight"] == [2.0], result
+        assert len(result["repaired"]) == 1 and result["repaired"][0].endswith(".distcp"), result
+
+
 ONE_RANK_FAILS_SCRIPT = """
 import json, sys
 import torch
