@@ -654,9 +654,11 @@ class Checkpointer:
 
     def load_latest(self, into: MutableMapping[str, Any]) -> LoadedCheckpoint | None:
         """Load the newest complete, verified save of either tier into `into`; None if neither
-        tier holds a save. Saves that are there but cannot be loaded (each failed its checks, or
-        the store could not be read with none on this machine) raise a `CkptError` naming them:
-        taking that for "no save" would start the run over.
+        tier holds a save. A local save that is damaged (fails its checks, or lost a file) and
+        carries parity (`protect=`) is rebuilt from it first, as `ckpt repair` does
+        (`LoadedCheckpoint.repaired`). Saves that are there but cannot be loaded (each failed
+        its checks, or the store could not be read with none on this machine) raise a
+        `CkptError` naming them: taking that for "no save" would start the run over.
 
         Models, optimizers and other Stateful objects of `into` are loaded in place; the plain
         entries (RNG states, counters) are replaced in `into` by the loaded values and also
