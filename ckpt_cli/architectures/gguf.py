@@ -115,6 +115,8 @@ def unmapped(checkpoint: Checkpoint, target: str) -> FormatError | None:
 def tokenizer_note(checkpoint: Checkpoint, dest_naming: str) -> str | None:
     """The warning that a GGUF's tokenizer (`tokenizer.ggml.*` metadata) is not written into
     the exported model folder, and how to write it; None when it holds none."""
+    if gguf_architecture(checkpoint) is None:
+        return None
     metadata = checkpoint.manifest.details.get("metadata") or {}
     if not any(str(k).startswith("tokenizer.ggml.") for k in metadata):
         return None
