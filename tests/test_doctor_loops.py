@@ -1023,3 +1023,71 @@ def test_a_model_left_in_eval_mode_at_the_resume_is_found_by_its_batchnorm(
     result = run_ckpt("doctor", clean, "--json")
     assert result.exit_code == 0, result.stdout
     assert result.json["result"]["causes"] == []
+
+
+def _decay_loop(
+    run: Path, resume: int | None, until: int, *, decay_after_load: float | None
+) -> None:
+    """A plain loop with AdamW (weight decay 0.1, betas (0.9, 0.95)) saving every 4 steps;
+    resumed from `ckpt_RESUME.pt` with everything restored, then, where `decay_after_load`
+    says, the param groups' weight decay overridden after the load (a config value applied to
+    the restored optimizer; `load_state_dict` restores the saved settings)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))
+    data = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(256, 8, generator=data), torch.randn(256, 1, generator=data)
+    step = 0
+    if resume is not None:
+        saved = torch.load(run / f"ckpt_{resume}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+        if decay_after_load is not None:
+            for group in optimizer.param_groups:
+                group["weight_decay"] = decay_after_load
+    run.mkdir(parents=True, exist_ok=True)
+    while step < until:
+        step += 1
+        rows = slice(step * 8 % 256, step * 8 % 256 + 8)
+        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 4 == 0:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            torch.save(state, run / f"ckpt_{step}.pt")
+
+
+def test_optimizer_settings_changed_at_the_resume_are_found(tmp_path: Path) -> None:
+    """The resume applied another weight decay to the restored optimizer (0.1 → 0.0): every
+    step after it regularises differently. The optimizer's param groups save their settings,
+    and the doctor compared only their sizes: NO CAUSE FOUND. The change is named, with its
+    group; declared with `--expect optimizer-settings` it is shown, not ranked. The resume that
+    keeps the settings is clean."""
+    run = tmp_path / "run"
+    _decay_loop(run, None, 9, decay_after_load=None)
+    _decay_loop(run, 8, 12, decay_after_load=0.0)
+    after = torch.load(run / "ckpt_12.pt", weights_only=True)
+    assert after["optimizer"]["param_groups"][0]["weight_decay"] == 0.0
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 1, result.stdout
+    causes = result.json["result"]["causes"]
+    assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+        ("optimizer_settings_changed", "ckpt_8.pt", "ckpt_12.pt")
+    ], causes
+    assert causes[0]["evidence"] == [
+        "weight_decay 0.1 at ckpt_8.pt, 0 at ckpt_12.pt (optimizer param group 0)"
+    ], causes[0]["evidence"]
+    declared = run_ckpt("doctor", run, "--expect", "optimizer-settings", "--json")
+    assert declared.exit_code == 0, declared.stdout
+    assert [(c["id"], c["declared"]) for c in declared.json["result"]["causes"]] == [
+        ("optimizer_settings_changed", True)
+    ]
+
+    clean = tmp_path / "clean"
+    _decay_loop(clean, None, 9, decay_after_load=None)
+    _decay_loop(clean, 8, 12, decay_after_load=None)
+    result = run_ckpt("doctor", clean, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["causes"] == []

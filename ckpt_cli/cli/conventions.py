@@ -95,6 +95,7 @@ OPTION_VALUES: dict[str, list[str]] = {
         "tokenizer",
         "scheduler",
         "optimizer",
+        "optimizer-settings",
         "data",
         "rng",
         "ema",

@@ -47,8 +47,8 @@ def doctor(
             "--expect",
             metavar="CHANGE",
             help="A change made on purpose, reported but not ranked (repeatable): batch, "
-            "world-size, precision, config, tokenizer, scheduler, optimizer, data, rng, ema, "
-            "scaler.",
+            "world-size, precision, config, tokenizer, scheduler, optimizer, optimizer-settings, "
+            "data, rng, ema, scaler.",
         ),
     ] = None,
     settle: Annotated[

@@ -12,6 +12,7 @@ from ...models import Record
 CAUSE_IDS = (
     "optimizer_not_restored",
     "optimizer_mismatch",
+    "optimizer_settings_changed",
     "scheduler_not_restored",
     "data_position_not_restored",
     "grad_scaler_reset",
@@ -37,6 +38,7 @@ EXPECTABLE = {
     "tokenizer": "tokenizer_changed",
     "scheduler": "scheduler_not_restored",
     "optimizer": "optimizer_not_restored",
+    "optimizer-settings": "optimizer_settings_changed",
     "data": "data_position_not_restored",
     "rng": "rng_not_restored",
     "ema": "ema_not_restored",

@@ -128,6 +128,9 @@ def check(pair: Pair) -> list[Cause]:
         )
     if restart is None and not unloadable and not causes:
         causes += _copied(pair) if copied else _restored_from_another_save(pair)
+    settings = _settings_changed(pair)
+    if settings is not None:
+        causes.append(settings)
     mismatch = _mismatch(a, b, misfits_before)
     if not mismatch and pair.earlier:
         mismatch = _reordered_by_updates(pair.earlier[-1], a, b)
@@ -146,6 +149,78 @@ def check(pair: Pair) -> list[Cause]:
             )
         )
     return causes
+
+
+#: param-group settings that change what a step does (the learning rate is the scheduler's)
+SETTINGS = (
+    "weight_decay",
+    "betas",
+    "eps",
+    "momentum",
+    "dampening",
+    "nesterov",
+    "amsgrad",
+    "maximize",
+    "alpha",
+    "centered",
+    "rho",
+)
+
+
+def _settings(save: Save) -> dict[tuple[int, str], object]:
+    """The step settings of each optimizer param group, by (group, setting)."""
+    prefix = save.prefix("optimizer")
+    if prefix is None:
+        return {}
+    found: dict[tuple[int, str], object] = {}
+    for group in range(len(save.param_groups)):
+        for key in SETTINGS:
+            value = save.value(f"{prefix}param_groups.{group}.{key}")
+            if isinstance(value, bool | int | float):
+                found[group, key] = value
+            elif isinstance(value, list | tuple) and all(isinstance(v, int | float) for v in value):
+                found[group, key] = tuple(value)
+    return found
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_shown(v) for v in value) + ")"
+    return fmt(value) if isinstance(value, int | float) else repr(value)
+
+
+def _settings_changed(pair: Pair) -> Cause | None:
+    """Optimizer settings (weight decay, betas, eps, momentum...) other after the resume than
+    at the save resumed from: `load_state_dict` restores the saved ones, so another value was
+    set on the restored optimizer (a config value applied after the load). A setting that
+    also changed over the interval before (a weight-decay schedule) is the run's own."""
+    a, b = pair.before, pair.after
+    before, after = _settings(a), _settings(b)
+    earlier = _settings(pair.earlier[-1]) if pair.earlier else {}
+    evidence = [
+        f"{key} {_shown(value)} at {a.name}, {_shown(after[group, key])} at {b.name} "
+        f"(optimizer param group {group})"
+        for (group, key), value in before.items()
+        if (group, key) in after
+        and after[group, key] != value
+        and earlier.get((group, key), value) == value
+    ]
+    if not evidence:
+        return None
+    return Cause(
+        id="optimizer_settings_changed",
+        title="the optimizer's settings changed at the resume: each step after it is another "
+        "update rule",
+        score=0.75,
+        before=a.name,
+        after=b.name,
+        evidence=evidence[:8],
+        fix="Keep the settings the optimizer was saved with (`load_state_dict` restores them; "
+        "a value set on the param groups after the load overrides them), or declare an "
+        "intended change with --expect optimizer-settings.",
+    )
 
 
 def _mismatch(a: Save, b: Save, misfits_before: list[Problem]) -> list[str]:
