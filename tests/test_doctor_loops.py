@@ -1016,6 +1016,12 @@ def test_a_model_left_in_eval_mode_at_the_resume_is_found_by_its_batchnorm(
         "to the resume, and none after it"
     ], causes[0]["evidence"]
     assert "model.train()" in causes[0]["fix"]
+    # BatchNorm frozen on purpose at the resume is declared: shown, not ranked
+    declared = run_ckpt("doctor", run, "--expect", "model_in_eval_mode", "--json")
+    assert declared.exit_code == 0, declared.stdout
+    assert [(c["id"], c["declared"]) for c in declared.json["result"]["causes"]] == [
+        ("model_in_eval_mode", True)
+    ]
 
     clean = tmp_path / "clean"
     _batchnorm_loop(clean, None, 9, eval_after_load=False)

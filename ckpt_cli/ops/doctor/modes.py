@@ -70,6 +70,7 @@ def check(pair: Pair) -> list[Cause]:
             fix="Call model.train() after loading the checkpoint and after every evaluation, "
             "before the training steps go on (model.eval() for a validation pass before the "
             "loop leaves dropout off and BatchNorm's running statistics frozen); the Trainer "
-            "and accelerate's examples call it each step.",
+            "and accelerate's examples call it each step. BatchNorm frozen on purpose at the "
+            "resume: declare it with --expect model_in_eval_mode.",
         )
     ]
