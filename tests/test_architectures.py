@@ -110,6 +110,41 @@ def test_a_family_with_no_megatron_naming_is_refused_naming_the_namings_it_has(
     assert not out.exists()
 
 
+def test_a_torchtitan_moe_without_load_balancing_diffs_identical_in_its_naming(
+    tmp_path: Path,
+) -> None:
+    """A torchtitan Qwen3-MoE trained without load balancing (`load_balance_coeff=None`)
+    saves no `expert_bias_E`; compared in torchtitan names with its Hugging Face model, the
+    zeros the mapping fills in for the HF side are no difference when it holds none."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=40,
+    )
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "hf")
+    titan = tmp_path / "titan"
+    assert run_ckpt("convert", tmp_path / "hf", titan, "--to", "torchtitan").exit_code == 0
+    plain = tmp_path / "plain"
+    r = run_ckpt("convert", titan, plain, "--to", "dcp", "--filter-out", "*.expert_bias_E")
+    assert r.exit_code == 0, r.stderr
+    for side in (titan, plain):
+        r = run_ckpt("diff", side, tmp_path / "hf", "--naming", "torchtitan", "--json")
+        assert r.exit_code == 0, r.stdout + r.stderr
+        assert json.loads(r.stdout)["result"]["identical"]
+    r = run_ckpt("diff", titan, tmp_path / "hf", "--naming", "torchtitan", "--json")
+    assert json.loads(r.stdout)["result"]["naming"]["transforms_b"]["zeros"] == 2
+
+
 def test_rotary_permute_is_transformers_permute_and_inverts() -> None:
     """The permutation is transformers' `convert_llama_weights_to_hf.permute`, and the two
     directions undo each other exactly."""

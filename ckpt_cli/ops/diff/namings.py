@@ -195,6 +195,23 @@ def line_up_namings(
         )
         transforms.append(counts)
         left_out.append(left)
+    # a fresh-start state the mapping built (torchtitan's MoE load-balancing bias) is
+    # compared only with the other side's own: a torchtitan model trained without load
+    # balancing holds none, and its absence is no difference
+    filled = [compile_pattern(f.pattern) for f in arch.filled.get(target, ())]
+    for index, side in enumerate(out):
+        other = out[1 - index].aligned
+        lone = (
+            {n for n in side.aligned if n not in other and any(r.match(n) for r in filled)}
+            if transforms[index]
+            else set()
+        )
+        if lone:
+            side.aligned = {n: e for n, e in side.aligned.items() if n not in lone}
+            side.chosen = [(e, n) for e, n in side.chosen if n not in lone]
+            transforms[index]["zeros"] -= len(lone)
+            if not transforms[index]["zeros"]:
+                del transforms[index]["zeros"]
     report = NamingMap(
         architecture=arch.name,
         title=arch.title,
