@@ -174,20 +174,35 @@ def test_an_fsdp_save_without_rank_1s_rng_states_fails_verify(
     # `convert` and `reshard` of the whole save wrote an output silently without rank 1's
     # RNG states: they refuse it (exit 4, the problem named), nothing written
     out = tmp_path / "out"
-    for command in (
-        ("convert", damaged, out, "--to", "dcp"),
-        ("reshard", damaged, out, "--world-size", "1", "--rank-state", "drop"),
+    for command, knowingly in (
+        (("convert", damaged, out, "--to", "dcp"), "--filter-out 'rng_1*'"),
+        (("reshard", damaged, out, "--world-size", "1"), "--rank-state drop"),
+        (
+            ("reshard", damaged, out, "--world-size", "1", "--rank-state", "replicate"),
+            "--rank-state drop",
+        ),
     ):
         refused = run_ckpt(*command, "--json")
         assert refused.exit_code == 4, (command, refused.stdout)
         error = refused.json["error"]
         assert error["path"] == str(damaged / "random_states_1.pkl"), error
         assert "missing_rank_rng" in error["message"] and "rank 1" in error["message"]
-        assert "--select" in error["fix"]
+        assert "--select" in error["fix"] and knowingly in error["fix"], error["fix"]
         assert not out.exists()
     # what is there still converts, one component at a time
     model = run_ckpt("convert", damaged, out, "--to", "safetensors", "--select", "model")
     assert model.exit_code == 0, model.stderr
+    # and a re-cut told to leave out every rank's RNG states lacks nothing it was asked for:
+    # the models and optimizers re-cut, no random_states file at all (it was refused)
+    recut = tmp_path / "recut"
+    result = run_ckpt(
+        "reshard", damaged, recut, "--world-size", "1", "--rank-state", "drop", "--json"
+    )
+    assert result.exit_code == 0, result.stdout
+    assert not list(recut.glob("random_states_*"))
+    assert (recut / "pytorch_model_fsdp_1" / "__0_0.distcp").is_file()
+    same = run_ckpt("diff", damaged, recut, "--select", "model_1", "--json")
+    assert same.exit_code == 0, same.stdout
 
 
 def test_an_fsdp_save_without_any_rng_states_fails_verify_and_is_no_latest(

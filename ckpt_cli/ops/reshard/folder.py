@@ -95,7 +95,8 @@ def reshard_folder(
     force, dry_run, extras = request.force, request.dry_run, request.extras
     src = source.location.raw
     check_world_options(world_size, compression)
-    refuse_lost_files(opened, "re-cut")
+    # `--rank-state drop` writes no rank's RNG states: a lost one is then left out knowingly
+    refuse_lost_files(opened, "re-cut", rank_state=rank_state_action or "")
     if layout.world_size_cut == "zero":
         if rules or serialization or compression:
             raise UsageError(

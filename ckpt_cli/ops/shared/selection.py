@@ -21,6 +21,7 @@ that would hand them over as weights without the real ones.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -121,6 +122,7 @@ def refuse_lost_files(
     exclude: Sequence[str] | None = None,
     match_prefix: str = "",
     filters: bool = False,
+    rank_state: str | None = None,
 ) -> list[tuple[str, str]]:
     """Refuse (exit 4) to write a whole training save again when a file of it was lost
     (`LOST_FILE_CODES`: a component's state, a rank's RNG states or FSDP part, a ZeRO
@@ -133,7 +135,10 @@ def refuse_lost_files(
     A command that takes `--filter` / `--filter-out` (`filters`) writes the rest when they
     leave out the component every lost file would be (`lost_component`, as `inspect` names
     it in a save that holds it: `--filter-out 'rng_1*'`): the user chose so, knowing. Returns
-    (component, why) of each so left out, for the report's `skipped`."""
+    (component, why) of each so left out, for the report's `skipped`. A world-size reshard
+    told to leave out every rank's RNG states (`rank_state`: its `--rank-state` choice, ""
+    when none was made, None for a command without the option; "drop") writes none of the
+    lost ones either: nothing then lacks them without a word."""
     from ...sources.layouts.composite import LOST_FILE_CODES, lost_component
 
     if opened is None:
@@ -147,23 +152,28 @@ def refuse_lost_files(
         lost_component(p.file[len(root) :] if p.file and p.file.startswith(root) else p.file or "")
         for p in lost
     ]
+    rng = [re.fullmatch(r"rng(_\d+)?", comp) is not None for comp in components]
     left_out = [
-        component_left_out(comp, None, include, exclude, match_prefix) for comp in components
+        "--rank-state drop leaves out every rank's RNG states"
+        if is_rng and rank_state == "drop"
+        else component_left_out(comp, None, include, exclude, match_prefix)
+        for comp, is_rng in zip(components, rng, strict=True)
     ]
     kept = [i for i, why in enumerate(left_out) if why is None]
-    if filters and not kept:
+    if not kept:
         return [
             (comp, f"lost: {p.file} ({p.code}), so not in the output either; {why}")
             for comp, p, why in zip(components, lost, left_out, strict=True)
         ]
-    first = lost[kept[0]] if kept else lost[0]
+    first = lost[kept[0]]
     more = f" (and {len(lost) - 1} more lost file{'s' if len(lost) > 2 else ''})"
     globs = " ".join(f"--filter-out '{comp}*'" for comp in dict.fromkeys(components))
-    knowingly = (
-        f"; or write the rest without {'it' if len(lost) == 1 else 'them'}, knowingly: {globs}"
-        if filters
-        else ""
-    )
+    them = "it" if len(lost) == 1 else "them"
+    knowingly = ""
+    if filters:
+        knowingly = f"; or write the rest without {them}, knowingly: {globs}"
+    elif rank_state is not None and all(rng):
+        knowingly = f"; or re-cut it without {them}, knowingly: --rank-state drop"
     raise FormatError(
         f"{first.code}: {first.message.rstrip('.')}{more if len(lost) > 1 else ''}; the "
         f"{doing} output would lack it without a word, so nothing is written",
