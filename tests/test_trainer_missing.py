@@ -152,3 +152,46 @@ def test_a_checkpoint_holding_another_saves_trainer_state_fails_verify_and_is_no
     shutil.copy2(trainer_runs["full"] / "checkpoint-2" / "trainer_state.json", state)
     assert run_ckpt("verify", run / "checkpoint-2").exit_code == 0
     assert run_ckpt("latest", run).stdout.strip() == str(run / "checkpoint-2")
+
+
+def test_a_peft_checkpoint_that_lost_its_adapter_names_the_adapter_file(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A Trainer run of a PEFT (LoRA) model saves the adapter (`adapter_model.safetensors`
+    beside `adapter_config.json`), not the base weights: a checkpoint that lost it was said
+    to lack `model.safetensors, pytorch_model.bin or their shards`, which it never had."""
+    import warnings
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        LlamaForCausalLM.from_pretrained(tiny_llama),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    data = [{"input_ids": torch.arange(8) % 64, "labels": torch.arange(8) % 64} for _ in range(4)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=1,
+        save_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Trainer(model=model, args=args, train_dataset=data).train()
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    assert run_ckpt("verify", checkpoint).exit_code == 0
+    (checkpoint / "adapter_model.safetensors").unlink()
+    result = run_ckpt("verify", checkpoint, "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = result.json["result"]["problems"]
+    assert [(p["code"], p["file"]) for p in problems] == [
+        ("missing_weights", str(checkpoint / "adapter_model.safetensors"))
+    ]
+    assert "adapter_config.json" in problems[0]["message"]
+    assert "pytorch_model.bin" not in problems[0]["message"]

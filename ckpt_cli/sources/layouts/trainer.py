@@ -246,12 +246,21 @@ def _unfinished(source: Source, folder: Folder, state: TrainingState) -> list[Pr
     problems: list[Problem] = []
     deepspeed = any(n.startswith("global_step") for n in source.files)
     if "weights" in state.missing and not deepspeed:
+        # a PEFT model's Trainer checkpoint holds its adapter (`save_pretrained` of the
+        # PeftModel), not the base model's weights
+        adapter = folder.has("adapter_config.json")
+        weights = (
+            "adapter weights (adapter_model.safetensors or adapter_model.bin) beside its "
+            "adapter_config.json"
+            if adapter
+            else "model weights (model.safetensors, pytorch_model.bin or their shards)"
+        )
         problems.append(
             Problem(
                 code="missing_weights",
-                message=f"{where}: no model weights (model.safetensors, pytorch_model.bin or "
-                f"their shards), which a Trainer save writes first: deleted or lost since?",
-                file=where,
+                message=f"{where}: no {weights}, which a Trainer save writes first: deleted or "
+                "lost since?",
+                file=source.storage.describe("adapter_model.safetensors") if adapter else where,
                 fix=_OTHER,
             )
         )
