@@ -269,6 +269,15 @@ def test_a_trainer_fsdp_checkpoint_that_lost_every_rng_state_fails_verify_and_is
     assert refused.exit_code == 4, refused.stdout
     assert refused.json["error"]["path"] == str(damaged / "rng_state_0.pth")
     assert not (tmp_path / "out").exists()
+    # the Trainer's own scheduler.pt, saved beside accelerate's FSDP optimizer state, likewise
+    lost = shutil.copytree(fsdp_checkpoint, tmp_path / "checkpoint-2")
+    (lost / "scheduler.pt").unlink()
+    checked = run_ckpt("verify", lost, "--json")
+    assert checked.exit_code == 1, checked.stdout
+    problems = checked.json["result"]["problems"]
+    assert [(p["code"], p["file"]) for p in problems] == [
+        ("missing_component", str(lost / "scheduler.pt"))
+    ]
 
 
 def test_a_trainer_fsdp_checkpoint_that_lost_a_rank_rng_converts_the_rest_when_told_to(
