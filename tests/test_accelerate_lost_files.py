@@ -199,6 +199,9 @@ def test_an_fsdp_save_without_rank_1s_rng_states_fails_verify(
         "reshard", damaged, recut, "--world-size", "1", "--rank-state", "drop", "--json"
     )
     assert result.exit_code == 0, result.stdout
+    warned = result.json["result"]["warnings"]
+    said = [w for w in warned if "random_states_1.pkl" in w and "--rank-state drop" in w]
+    assert len(said) == 1 and not [w for w in warned if "no effect" in w], warned
     assert not list(recut.glob("random_states_*"))
     assert (recut / "pytorch_model_fsdp_1" / "__0_0.distcp").is_file()
     same = run_ckpt("diff", damaged, recut, "--select", "model_1", "--json")

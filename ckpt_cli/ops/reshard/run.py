@@ -48,7 +48,7 @@ from ...sources.layouts.base import Layout, OpenedSource, open_plain
 from ...sources.runs.records import is_checksum_manifest
 from ...storage.output import Destination, check_destination
 from ..convert.plan import check_one_file_naming, guard_paths, local_dest, planned_files
-from ..shared.selection import lost_file_warnings
+from ..shared.selection import lost_file_warnings, refuse_lost_files
 from ..shared.transfer import TransferPlan, account_files, plan_transfer, write_checkpoint
 from .folder import reshard_folder
 from .report import RankStateAction, RankStateEntry, ReshardReport, SkippedFile
@@ -428,9 +428,12 @@ def reshard_with(
             try:
                 report = reshard_folder(source, opened, layout, dest, request, rules, progress)
                 report.warnings += lost_file_warnings(opened)
+                # lost RNG files `--rank-state drop` let the re-cut leave out (it refuses others)
+                dropped = refuse_lost_files(opened, "re-cut", rank_state=rank_state or "")
+                report.warnings += [f"{comp}: {why}" for comp, why in dropped]
             finally:
                 opened.checkpoint.close()
-            return _rank_state_used(report, rank_state)
+            return report if dropped else _rank_state_used(report, rank_state)
     return _rank_state_used(reshard_world_size(source, dest, request, rules, progress), rank_state)
 
 
