@@ -1111,3 +1111,19 @@ def test_a_sparse_4_gib_slim_record_of_a_run_is_never_read_whole(tmp_path: Path)
     assert latest.exit_code == 0, latest.stdout + latest.stderr
     assert latest.stdout.strip().splitlines()[0] == str(run / "step_200.pt")
     assert latest.peak_rss < 1 << 30 and latest.cpu_s < CPU_LIMIT
+
+
+def test_a_sparse_4_gib_checksum_manifest_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """ckpt's own checksum manifest (`ckpt-manifest.json`, written by `verify
+    --write-manifest`) was read whole by `verify --checksums`: extended to 2 GiB (a sparse
+    file), 4.2 GB and 25 s. Past the budget of a JSON record (64 MiB, some 400,000 files) it
+    is refused unread (exit 4), naming it and how to write it again."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"w": torch.ones(4)}, folder / "model.safetensors")
+    written = ckpt_limited("verify", folder, "--write-manifest")
+    assert written.exit_code == 0, written.stdout + written.stderr
+    manifest = folder / "ckpt-manifest.json"
+    os.truncate(manifest, 4 << 30)
+    run = ckpt_limited("verify", folder, "--checksums")
+    assert_refused(run, manifest, "more than the 67,108,864 ckpt reads of it", "--write-manifest")

@@ -43,7 +43,14 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from ..errors import DestinationExistsError, HubError, IOFailure, NotFoundError, UsageError
+from ..errors import (
+    DestinationExistsError,
+    FormatError,
+    HubError,
+    IOFailure,
+    NotFoundError,
+    UsageError,
+)
 from ..faults import HeldStopSignals, interruption, io_failure, note_published, notice
 from ..formats.names import is_commit_marker
 from ..progress import NULL_PROGRESS, Progress
@@ -88,20 +95,39 @@ def destination_exists(dest: Destination) -> bool:
     return dest.exists()
 
 
-def read_destination(dest: Destination) -> bytes:
+def read_destination(dest: Destination, limit: int | None = None) -> bytes:
     """The whole content of the file at `dest` (a small one: a manifest); FileNotFoundError
-    when there is none. A local FIFO or device named like it is refused, never waited on."""
+    when there is none. A local FIFO or device named like it is refused, never waited on.
+
+    Raises:
+        FormatError: the file is longer than `limit` bytes (checked before it is read: a
+            sparse file of a few bytes on disk may claim gigabytes).
+    """
     if not isinstance(dest, RemoteDest):
         if not dest.exists():
             raise FileNotFoundError(errno.ENOENT, "no such file", str(dest))
+        if limit is not None:
+            _check_limit(dest.stat().st_size, limit, str(dest))
         return read_regular(dest)
     try:
+        if limit is not None:
+            _check_limit(int(dest.fs.size(dest.path)), limit, dest.url)
         data: bytes = dest.fs.cat_file(dest.path)
-    except FileNotFoundError:
+    except (FileNotFoundError, FormatError):
         raise
     except Exception as exc:
         raise remote_failure(exc, dest.url) from None
     return data
+
+
+def _check_limit(size: int, limit: int, where: str) -> None:
+    if size > limit:
+        raise FormatError(
+            f"is {size:,} bytes, more than the {limit:,} ckpt reads of it (a hostile or corrupt "
+            "file)",
+            path=where,
+            fix="Move it away and write it again.",
+        )
 
 
 def remote_key(dest: Destination) -> str | None:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
+from ...budgets import json_record_over_budget
 from ...errors import FormatError, NotFoundError
 from ...formats.names import is_commit_marker
 from ...sources.runs import RUN_SLIM_RECORD, UNMARKED, RunCheckpoint
@@ -201,6 +202,14 @@ def remote_manifest_bytes(storage: Storage, rel: str) -> tuple[ChecksumManifest,
     (a pull writes those into its copy: a second read could get a newer manifest than the
     one its files were checked against), or None when there is none."""
     try:
+        too_large = json_record_over_budget(storage.size(rel))
+        if too_large is not None:
+            raise FormatError(
+                f"{too_large} (a hostile or corrupt manifest)",
+                path=storage.describe(rel),
+                fix="The remote copy is damaged; pull an older checkpoint, or sync it again "
+                "from a machine that has it whole.",
+            )
         raw = storage.read_all(rel)
     except NotFoundError:
         return None

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ... import __version__
+from ...budgets import MAX_JSON_RECORD
 from ...dist.command import CombinedProgress, RankShare, active
 from ...errors import (
     CkptError,
@@ -184,7 +185,7 @@ def _refuse_manifest_over_checkpoint(source: Source, path: Destination) -> None:
                 _refuse_checkpoint_file(path, storage.destination(MANIFEST_NAME))
     if destination_exists(path) or (local is not None and local.is_symlink()):
         try:
-            ChecksumManifest.model_validate(json.loads(read_destination(path)))
+            ChecksumManifest.model_validate(json.loads(read_destination(path, MAX_JSON_RECORD)))
         except (CkptError, OSError, UnicodeDecodeError, ValueError, RecursionError):
             raise UsageError(
                 "exists and is not a ckpt checksum manifest; --force replaces only a manifest",
@@ -466,7 +467,13 @@ def _refuse_hub_manifest(manifest: str | None, source: Source) -> None:
 def read_manifest(path: Destination) -> ChecksumManifest:
     """Load a checksum manifest; NotFoundError / FormatError with the fix when unusable."""
     try:
-        raw = read_destination(path)
+        raw = read_destination(path, MAX_JSON_RECORD)
+    except FormatError as error:
+        raise FormatError(
+            error.problem,
+            path=str(path),
+            fix="Write it again with `ckpt verify SRC --write-manifest --force`.",
+        ) from None
     except FileNotFoundError:
         raise NotFoundError(
             "no checksum manifest here",
