@@ -1127,3 +1127,23 @@ def test_a_sparse_4_gib_checksum_manifest_is_refused_before_it_is_read(tmp_path:
     os.truncate(manifest, 4 << 30)
     run = ckpt_limited("verify", folder, "--checksums")
     assert_refused(run, manifest, "more than the 67,108,864 ckpt reads of it", "--write-manifest")
+
+
+def test_a_sparse_4_gib_refs_file_of_the_hf_cache_is_never_read_whole(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """The HF cache's `refs/main` (a commit id) was read whole when ckpt recorded the commit a
+    revision resolved to: extended to 2 GiB (a sparse file), `inspect hf://org/model` took
+    4.2 GB and 23 s. At most 256 bytes of it are read: one longer names no commit, and is
+    written again with the commit the Hub named."""
+    from .hub_fixtures import publish_model
+
+    commit = publish_model(hub, "org/refs", tmp_path / "src", {"w": torch.ones(4)})
+    ref = Path(os.environ["HF_HOME"]) / "hub" / "models--org--refs" / "refs" / "main"
+    ref.parent.mkdir(parents=True)
+    ref.write_text(commit)
+    os.truncate(ref, 4 << 30)
+    run = ckpt_limited("inspect", "hf://org/refs")
+    assert run.exit_code == 0, run.stdout + run.stderr
+    assert run.peak_rss < 1 << 30 and run.cpu_s < CPU_LIMIT
+    assert ref.read_text() == commit

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..errors import FormatError, NoCheckpointError, NotFoundError, UsageError
 from ..storage import PARITY_DIR, PARITY_MANIFEST, LocalStorage
+from ..storage.hub_repo import read_cache_ref
 from ..storage.uri import Location, parse_location
 from .base import Checkpoint, Format, Source
 
@@ -201,8 +202,9 @@ def cached_snapshot(text: str) -> Path | None:
     revision = revision or "main"
     ref = repo / "refs" / revision
     commit = revision
-    if ref.is_file():
-        commit = ref.read_text(encoding="utf-8", errors="replace").strip()
+    recorded = read_cache_ref(ref)
+    if recorded is not None:
+        commit = recorded
     if not re.fullmatch(r"[0-9a-f]{40}", commit):
         return None
     snapshot = repo / "snapshots" / commit

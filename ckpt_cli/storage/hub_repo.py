@@ -663,6 +663,26 @@ def _list_tree(api: Any, location: Location, commit: str) -> dict[str, RemoteFil
     return files
 
 
+#: bytes of an HF cache `refs/` file read: a commit id and a newline, with room to spare
+MAX_REF_BYTES = 256
+
+
+def read_cache_ref(ref: Path) -> str | None:
+    """The commit an HF cache `refs/<revision>` file names (stripped), or None when there is no
+    such regular file. At most `MAX_REF_BYTES` are read: a refs file extended to gigabytes (a
+    sparse file) names no commit, and reading it whole would choose ckpt's memory."""
+    try:
+        if not ref.is_file():
+            return None
+        with ref.open("rb") as fh:
+            head = fh.read(MAX_REF_BYTES + 1)
+    except OSError:
+        return None
+    if len(head) > MAX_REF_BYTES:
+        return ""
+    return head.decode("utf-8", "replace").strip()
+
+
 def _remember_ref(location: Location, settings: HubSettings, commit: str) -> None:
     """Record the revision's commit in the cache's `refs/`, as `resolve_revision` does, so a
     later offline run finds its snapshot (best effort: the cache may be read-only)."""
@@ -676,7 +696,7 @@ def _remember_ref(location: Location, settings: HubSettings, commit: str) -> Non
         / (location.revision or "main")
     )
     try:
-        if ref.is_file() and ref.read_text().strip() == commit:
+        if read_cache_ref(ref) == commit:
             return
         ref.parent.mkdir(parents=True, exist_ok=True)
         ref.write_text(commit)
