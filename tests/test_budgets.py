@@ -1147,3 +1147,27 @@ def test_a_sparse_4_gib_refs_file_of_the_hf_cache_is_never_read_whole(
     assert run.exit_code == 0, run.stdout + run.stderr
     assert run.peak_rss < 1 << 30 and run.cpu_s < CPU_LIMIT
     assert ref.read_text() == commit
+
+
+def test_a_sparse_4_gib_manifest_of_a_pulled_copy_is_never_read_whole(
+    s3_server: Any, tmp_path: Path
+) -> None:
+    """`sync` pulling a run judges the copy already here by the checksum manifest it was
+    pulled with, and read that whole: extended to 4 GiB (a sparse file), the next pull died
+    (exit 70 under a memory limit). Past the budget of a JSON record the local manifest is not
+    read: it is not the store's, so the copy is pulled again, whole."""
+    from .run_fixtures import trainer_run
+    from .s3_fixtures import make_bucket
+
+    make_bucket(s3_server.endpoint, "ckpts")
+    out = trainer_run(tmp_path, steps=(100,))
+    assert ckpt_limited("sync", out, "s3://ckpts/run/").exit_code == 0
+    back = tmp_path / "back"
+    assert ckpt_limited("sync", "s3://ckpts/run/", back).exit_code == 0
+    manifest = back / "checkpoint-100" / "ckpt-manifest.json"
+    os.truncate(manifest, 4 << 30)
+    again = ckpt_limited("sync", "s3://ckpts/run/", back, "--json")
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert again.peak_rss < 1 << 30 and again.cpu_s < CPU_LIMIT
+    assert again.json["result"]["checkpoints"][0]["action"] == "downloaded"
+    assert manifest.stat().st_size < 1 << 20

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ...budgets import json_record_over_budget
 from ...errors import (
     CkptError,
     DestinationExistsError,
@@ -424,6 +425,8 @@ def _resynced_since_pulled(
     if written is None or int(written) <= int(pulled_at):
         return False
     try:
+        if local_manifest.stat().st_size != listing[manifest_rel]:
+            return True  # other bytes, and never read whole (a sparse file may claim GiBs)
         return storage.read_all(manifest_rel) != local_manifest.read_bytes()
     except OSError:
         return False
@@ -439,6 +442,10 @@ def _damaged_copy(
     `optimizer.pt` looks complete, and was called `present` for ever. The check costs a stat
     per file; the store's manifest is read only when a file is found missing."""
     try:
+        too_large = json_record_over_budget(local_manifest.stat().st_size)
+        if too_large is not None:
+            # no manifest a pull writes (the store's is read within the same budget)
+            return f"holds a checksum manifest that {too_large}"
         record = ChecksumManifest.model_validate_json(local_manifest.read_bytes())
     except (OSError, ValueError):
         return None
@@ -454,7 +461,9 @@ def _damaged_copy(
     if not lost or manifest_rel not in listing:
         return None
     try:
-        if storage.read_all(manifest_rel) != local_manifest.read_bytes():
+        if local_manifest.stat().st_size != listing[manifest_rel] or (
+            storage.read_all(manifest_rel) != local_manifest.read_bytes()
+        ):
             return None  # another save of that name: not a copy of this one
     except (OSError, NotFoundError):
         return None
