@@ -22,7 +22,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ...architectures import HF, NAMING_FORMATS, architectures, get_architecture, recognise
+from ...architectures import (
+    HF,
+    NAMING_FORMATS,
+    NAMINGS,
+    architectures,
+    get_architecture,
+    recognise,
+)
 from ...architectures.base import (
     Architecture,
     ArchitecturePlan,
@@ -424,7 +431,8 @@ def map_plan(
                 raise unrecognised(names, target, where)
             arch, naming = found.architecture, found.naming
         if target not in arch.namings():
-            others = [f"--to {n}" for n in arch.namings() if n != naming]
+            # (a naming ckpt only reads, llama.cpp's, is no --to)
+            others = [f"--to {n}" for n in arch.namings() if n != naming and n in NAMINGS]
             raise FormatError(
                 f"{arch.title} has no {target} naming: ckpt knows it in "
                 f"{', '.join(arch.namings())} names",
