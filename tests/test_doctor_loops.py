@@ -508,6 +508,31 @@ class _Mlp(torch.nn.Module):
         return self.head(self.down(torch.relu(self.up(x))))
 
 
+def _train_and_save(
+    run: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    xs: torch.Tensor,
+    ys: torch.Tensor,
+    step: int,
+    until: int,
+) -> None:
+    """Train from `step` to `until` on the rows of `xs` / `ys` the step picks, saving model,
+    optimizer and step as `ckpt_N.pt` every 4 steps: the loop tail of the reorder, eval-mode
+    and optimizer-settings jobs."""
+    run.mkdir(parents=True, exist_ok=True)
+    while step < until:
+        step += 1
+        rows = slice(step * 8 % 256, step * 8 % 256 + 8)
+        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 4 == 0:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            torch.save(state, run / f"ckpt_{step}.pt")
+
+
 def _reordered_loop(
     run: Path, resume: int | None, until: int, *, down_first: bool, split_groups: bool = False
 ) -> None:
@@ -533,17 +558,7 @@ def _reordered_loop(
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         step = saved["step"]
-    run.mkdir(parents=True, exist_ok=True)
-    while step < until:
-        step += 1
-        rows = slice(step * 8 % 256, step * 8 % 256 + 8)
-        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if step % 4 == 0:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-            torch.save(state, run / f"ckpt_{step}.pt")
+    _train_and_save(run, model, optimizer, xs, ys, step, until)
 
 
 def test_optimizer_state_restored_under_another_parameter_order_is_found(tmp_path: Path) -> None:
@@ -655,17 +670,7 @@ def _twins_loop(
             }
         optimizer.load_state_dict(optimizer_state)
         step = saved["step"]
-    run.mkdir(parents=True, exist_ok=True)
-    while step < until:
-        step += 1
-        rows = slice(step * 8 % 256, step * 8 % 256 + 8)
-        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if step % 4 == 0:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-            torch.save(state, run / f"ckpt_{step}.pt")
+    _train_and_save(run, model, optimizer, xs, ys, step, until)
 
 
 def _folder_loop(
@@ -984,17 +989,7 @@ def _batchnorm_loop(run: Path, resume: int | None, until: int, *, eval_after_loa
             model.eval()
             with torch.no_grad():
                 model(xs[:32])
-    run.mkdir(parents=True, exist_ok=True)
-    while step < until:
-        step += 1
-        rows = slice(step * 8 % 256, step * 8 % 256 + 8)
-        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if step % 4 == 0:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-            torch.save(state, run / f"ckpt_{step}.pt")
+    _train_and_save(run, model, optimizer, xs, ys, step, until)
 
 
 def test_a_model_left_in_eval_mode_at_the_resume_is_found_by_its_batchnorm(
@@ -1058,17 +1053,7 @@ def _decay_loop(
         if decay_after_load is not None:
             for group in optimizer.param_groups:
                 group["weight_decay"] = decay_after_load
-    run.mkdir(parents=True, exist_ok=True)
-    while step < until:
-        step += 1
-        rows = slice(step * 8 % 256, step * 8 % 256 + 8)
-        loss = torch.nn.functional.mse_loss(model(xs[rows]), ys[rows])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if step % 4 == 0:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-            torch.save(state, run / f"ckpt_{step}.pt")
+    _train_and_save(run, model, optimizer, xs, ys, step, until)
 
 
 def test_optimizer_settings_changed_at_the_resume_are_found(tmp_path: Path) -> None:
