@@ -8,6 +8,7 @@ import json
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -1014,14 +1015,13 @@ def test_a_framework_naming_of_an_adapter_points_to_merging_it_first(
     assert r.exit_code == 0, r.stderr
 
 
-def _dora_adapter(base: Path, adapter: Path, targets: list[str], dtype: torch.dtype) -> None:
-    """A DoRA adapter on `base` as training leaves it: every LoRA factor and magnitude moved
-    away from its initial value (DoRA starts each magnitude at its weight's norm)."""
-    from peft import LoraConfig, get_peft_model
+def _trained_adapter(base: Path, adapter: Path, lora: Any, dtype: torch.dtype) -> None:
+    """A peft adapter (`lora`: its `LoraConfig`) on `base` as training leaves it: every LoRA
+    tensor (factors, DoRA magnitudes, `lora_bias` biases) moved away from its initial value."""
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(5)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_dora=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), lora)
@@ -1030,6 +1030,14 @@ def _dora_adapter(base: Path, adapter: Path, targets: list[str], dtype: torch.dt
                 if "lora_" in name:
                     param.add_(torch.randn_like(param) * 0.1)
         model.save_pretrained(adapter)
+
+
+def _dora_adapter(base: Path, adapter: Path, targets: list[str], dtype: torch.dtype) -> None:
+    """A trained DoRA adapter on `base` (DoRA starts each magnitude at its weight's norm)."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_dora=True)
+    _trained_adapter(base, adapter, lora, dtype)
 
 
 @pytest.mark.parametrize(
@@ -1113,20 +1121,15 @@ def test_merge_of_lora_bias_adds_it_into_the_base_bias_as_peft_does(
     """`lora_bias=True` trains a bias on each `lora_B`, which `merge_and_unload` adds (scaled)
     into the base layer's bias. `ckpt merge` refused the adapter ("holds '...lora_B.bias', a
     LoRA tensor `ckpt merge` does not know"); it now merges it, bit for bit as peft."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, PeftModel
     from transformers import Qwen2ForCausalLM
 
     base, adapter = tmp_path / "base", tmp_path / "adapter"
     _qwen2(base, dtype)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_bias=True)
+    _trained_adapter(base, adapter, lora, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = get_peft_model(Qwen2ForCausalLM.from_pretrained(base, dtype=dtype), lora)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_" in name:
-                    param.add_(torch.randn_like(param) * 0.1)
-        model.save_pretrained(adapter)
         PeftModel.from_pretrained(
             Qwen2ForCausalLM.from_pretrained(base, dtype=dtype), adapter
         ).merge_and_unload().save_pretrained(tmp_path / "peft-merged")
