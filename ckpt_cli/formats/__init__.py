@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import FormatError, NoCheckpointError, NotFoundError, UsageError
 from ..storage import PARITY_DIR, PARITY_MANIFEST, LocalStorage
-from ..storage.hub_repo import read_cache_ref
+from ..storage.local import read_cache_ref
 from ..storage.uri import Location, parse_location
 from .base import Checkpoint, Format, Source
 

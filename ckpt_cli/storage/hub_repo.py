@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from ..errors import CkptError, HubError, NotFoundError, UsageError
 from .base import RemoteFile
-from .local import LocalStorage
+from .local import LocalStorage, read_cache_ref
 from .relpath import safe_relpath
 from .uri import Location
 
@@ -661,26 +661,6 @@ def _list_tree(api: Any, location: Location, commit: str) -> dict[str, RemoteFil
             blob_id=None if lfs is not None else getattr(item, "blob_id", None),
         )
     return files
-
-
-#: bytes of an HF cache `refs/` file read: a commit id and a newline, with room to spare
-MAX_REF_BYTES = 256
-
-
-def read_cache_ref(ref: Path) -> str | None:
-    """The commit an HF cache `refs/<revision>` file names (stripped), or None when there is no
-    such regular file. At most `MAX_REF_BYTES` are read: a refs file extended to gigabytes (a
-    sparse file) names no commit, and reading it whole would choose ckpt's memory."""
-    try:
-        if not ref.is_file():
-            return None
-        with ref.open("rb") as fh:
-            head = fh.read(MAX_REF_BYTES + 1)
-    except OSError:
-        return None
-    if len(head) > MAX_REF_BYTES:
-        return ""
-    return head.decode("utf-8", "replace").strip()
 
 
 def _remember_ref(location: Location, settings: HubSettings, commit: str) -> None:

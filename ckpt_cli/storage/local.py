@@ -96,6 +96,26 @@ def hf_cache_repo(real_root: str) -> str | None:
     return None
 
 
+#: bytes of an HF cache `refs/` file read: a commit id and a newline, with room to spare
+MAX_REF_BYTES = 256
+
+
+def read_cache_ref(ref: Path) -> str | None:
+    """The commit an HF cache `refs/<revision>` file names (stripped), or None when there is no
+    such regular file. At most `MAX_REF_BYTES` are read: a refs file extended to gigabytes (a
+    sparse file) names no commit, and reading it whole would choose ckpt's memory."""
+    try:
+        if not ref.is_file():
+            return None
+        with ref.open("rb") as fh:
+            head = fh.read(MAX_REF_BYTES + 1)
+    except OSError:
+        return None
+    if len(head) > MAX_REF_BYTES:
+        return ""
+    return head.decode("utf-8", "replace").strip()
+
+
 class LocalStorage(Storage):
     """A folder on this machine; reads use `os.pread` so nothing is read that is not asked for."""
 
