@@ -26,7 +26,6 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError, UsageError
 from .base import FILE_GONE_FIX, TMP_MARKER, TRUNCATED_FIX, Storage, file_chunks, is_parity_path
-from .destination import Destination, RemoteDest
 from .heads import HEAD_WORKERS, WHOLE_FILE_MAX, HeadCache, HeadRead
 from .relpath import safe_relpath
 from .uri import Location
@@ -35,6 +34,8 @@ if TYPE_CHECKING:
     # imported where the pool is made: a local SRC never needs it, and `concurrent.futures`
     # (with `logging`) is a measurable part of a metadata command's start-up
     from concurrent.futures import Future, ThreadPoolExecutor
+
+    from .destination import Destination
 
 
 #: bytes per write when streaming into an object store (and the part size asked of
@@ -444,6 +445,9 @@ class FsspecStorage(Storage):
         self._written(full)
 
     def destination(self, rel: str) -> Destination:
+        # (a data command's: a metadata command never builds the dataclass)
+        from .destination import RemoteDest
+
         rel = safe_relpath(rel, source=self.display)
         return RemoteDest(url=self.describe(rel), fs=self.fs, path=self._full(rel))
 
