@@ -88,10 +88,7 @@ def to_hf_names(shapes: Mapping[str, Sequence[int]]) -> dict[str, Sequence[int]]
 
 def gguf_architecture(checkpoint: Checkpoint) -> str | None:
     """`general.architecture` of a GGUF source; None for any other format."""
-    if checkpoint.manifest.format != "gguf":
-        return None
-    value = checkpoint.manifest.details.get("architecture")
-    return str(value) if value is not None else ""
+    return checkpoint.recorded_architecture()
 
 
 def unmapped(checkpoint: Checkpoint, target: str) -> FormatError | None:

@@ -186,6 +186,12 @@ class Checkpoint(ABC):
         values as a summary and a digest), for `diff`; None where the format keeps none."""
         return None
 
+    def recorded_architecture(self) -> str | None:
+        """The model architecture the checkpoint's own metadata names (a GGUF's
+        `general.architecture`; "" when such a file names none); None where the format records
+        none (the architecture of a safetensors model is in its `config.json`, not the file)."""
+        return None
+
     def stored_as(self, name: str) -> str | None:
         """How non-tensor entry `name` is stored when ckpt does not read its value but can hand
         out its stored bytes (`iter_stored`): a GGUF quantized tensor, `Q8_0 tensor [4, 64]`.

@@ -273,6 +273,9 @@ class DequantizedView(Checkpoint):
     def model_metadata(self) -> dict[str, str] | None:
         return self.base.model_metadata()
 
+    def recorded_architecture(self) -> str | None:
+        return self.base.recorded_architecture()
+
     def tolerated_problems(self) -> list[Problem]:
         return self.base.tolerated_problems()
 

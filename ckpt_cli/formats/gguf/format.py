@@ -548,6 +548,10 @@ class GgufCheckpoint(Checkpoint):
     def model_metadata(self) -> dict[str, str] | None:
         return self.metadata
 
+    def recorded_architecture(self) -> str | None:
+        value = self.manifest.details.get("architecture")
+        return str(value) if value is not None else ""
+
     def _swapped(self, entry: Entry) -> int:
         """The element size to byte-swap `entry`'s bytes by (0: stored little-endian)."""
         if entry.file not in self.big_endian or entry.kind != "tensor" or entry.dtype is None:
