@@ -853,50 +853,34 @@ def missing_rank_states(
 def ranks_lost_since(
     source: Source, folder: Folder, layout: Layout, older: str, older_names: set[str]
 ) -> list[Problem]:
-    """`missing_rank_rng` for each per-rank RNG file (`Layout.rank_files`) that the run's save
-    before this one (`older`, holding the files `older_names`) holds and this save's own files
-    leave in doubt (`missing_rank_states` calls it `rank_rng_elsewhere`, or says nothing):
-
-    - a rank above the highest this save's own files name (`saved_world`): a plain
-      multi-process save (DDP) that lost its highest rank's file looks like a smaller run's
-      on its own, since neither accelerate nor the Trainer records the number of processes;
-      a run resumed with fewer processes has its first save after the change so reported;
-    - a rank below the lowest here (rank 0's `random_states_0.pkl`): alone, the save looks
-      like one node's folder of a `save_on_each_node` run on node-local disks, but that
-      node's save before it holds no other node's files either.
-
-    `finish` keeps this problem, not the doubt, for the file. None when this save holds no
-    per-rank file (no RNG state at all: `verify --exact` says so)."""
+    """`missing_rank_rng` for each per-rank RNG file (`Layout.rank_files`) of a rank above the
+    highest this save's own files name (`saved_world`) that the run's save before it (`older`,
+    holding the files `older_names`) holds: a plain multi-process save (DDP) that lost its
+    highest rank's file looks like a smaller run's on its own, since neither accelerate nor
+    the Trainer records the number of processes. None when this save holds no per-rank file
+    (no RNG state at all: `verify --exact` says so). A run resumed with fewer processes has
+    its first save after the change so reported."""
     if layout.rank_files is None:
         return []
-    have = {r for r in map(layout.rank_file_rank, folder.names) if r is not None}
-    if not have:
+    if not any(layout.rank_file_rank(name) is not None for name in folder.names):
         return []
-    saved = saved_world(source, folder, layout)
-    held = {r for r in map(layout.rank_file_rank, older_names) if r is not None}
+    world = saved_world(source, folder, layout).world
     ranks = sorted(
-        r
-        for r in held - have
-        if r >= saved.world or not (r in saved.with_data or min(have) < r < max(have))
-    )
-    world = max(held | have) + 1
-    above = (
-        " If the run was resumed with fewer processes before this save, the save is whole "
-        "(nothing records the number of processes; the run's next save is judged against "
-        "this one)."
+        r for r in map(layout.rank_file_rank, older_names) if r is not None and r >= world
     )
     return [
         Problem(
             code="missing_rank_rng",
             message=f"is missing: rank {rank}'s RNG states, which the save before it "
-            f"({older}) holds: the run saved with {world} processes, each its own; "
+            f"({older}) holds: the run saved with {ranks[-1] + 1} processes, each its own; "
             f"{layout.name}'s loader restores none for the rank without it (it logs a line "
             "and goes on), so a resumed run silently draws other random numbers than the "
             "run it continues",
-            file=source.storage.describe(folder.rel(layout.rank_file_name(rank, world))),
+            file=source.storage.describe(folder.rel(layout.rank_file_name(rank, ranks[-1] + 1))),
             fix="Copy it again from where the run saved it, or use another checkpoint of the "
-            "run (`ckpt latest` names the newest whole one)."
-            + (above if rank >= saved.world else ""),
+            "run (`ckpt latest` names the newest whole one). If the run was resumed with "
+            "fewer processes before this save, the save is whole (nothing records the number "
+            "of processes; the run's next save is judged against this one).",
         )
         for rank in ranks
     ]
@@ -907,12 +891,6 @@ def finish(
 ) -> OpenedSource:
     if folder is not None:
         state.unreadable = dict(folder.unreadable)
-        # a rank's RNG file the save before held (`ranks_lost_since`) was lost, not perhaps on
-        # another node's disk: one problem for the file, the certain one
-        certain = {p.file for p in folder.problems if p.code == "missing_rank_rng"}
-        folder.problems = [
-            p for p in folder.problems if not (p.code == "rank_rng_elsewhere" and p.file in certain)
-        ]
     verdict(state)
     lost = [p.file for p in folder.problems if p.code == "missing_rank_file"] if folder else []
     if lost:
