@@ -649,11 +649,10 @@ def test_no_layer_imports_a_layer_above_it() -> None:
 
 
 #: the import circles the house still has (files that import each other in a loop, lazy and
-#: type-only imports included), each to be broken, never grown: an object store's `put` goes
-#: through the leases that are built on that store; the layouts and the run folders name each
-#: other (a layout refuses a run folder, a run is judged save by save through the layouts)
+#: type-only imports included), each to be broken, never grown: the layouts and the run folders
+#: name each other (a layout refuses a run folder, a run is judged save by save through the
+#: layouts)
 KNOWN_CIRCLES = (
-    frozenset({"ckpt_cli.storage.remote", "ckpt_cli.storage.object_leases"}),
     frozenset(
         {
             "ckpt_cli.sources.layouts",

@@ -12,7 +12,7 @@ Each storage has a read side and, where it declares `writable`, a write side (`w
 declares, never from its class.
 
 Modules: `base` (the `Storage` interface and its capability declarations), `local` (folders
-on this machine), `remote` (fsspec filesystems: object stores), `hub` (Hugging Face Hub
+on this machine), `remote` (fsspec filesystems: object stores; `remote_replies` reads what they answer), `hub` (Hugging Face Hub
 repositories, read-only; imported on demand, not re-exported here), `output` (atomic outputs
 to a local or object-store destination).
 """
@@ -37,7 +37,8 @@ from .local import (
     read_regular,
 )
 from .relpath import safe_relpath
-from .remote import FsspecStorage, filesystem_for, remote_failure
+from .remote import FsspecStorage, filesystem_for
+from .remote_replies import remote_failure
 
 __all__ = [
     "PARITY_DIR",

@@ -31,11 +31,11 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .base import TMP_MARKER, is_staging_name
 from .local import process_alive
-from .remote import FsspecStorage, listing_time, remote_failure
+from .remote_replies import listing_time, remote_failure
 
 #: the lease object inside a run's hidden prefix
 LEASE_NAME = ".ckpt-lease"
@@ -52,6 +52,24 @@ LEASE_EXPIRY = 15 * 60.0
 ROOT_LEASE_PREFIX = ".ckpt-lease-"
 #: the random tail of a hidden prefix (`uuid4().hex[:12]`)
 _TAIL = "[0-9a-f]{12}"
+
+
+class ObjectStore(Protocol):
+    """What leases need of a store: its fsspec filesystem and the prefix it stands for (`fs`,
+    `root`), how it names a file to a user, and its writes. `remote.FsspecStorage` is one;
+    this module never imports it, since that storage's `put` publishes under a lease."""
+
+    fs: Any
+    root: str
+    display: str
+
+    def describe(self, rel: str) -> str: ...
+
+    def write_file(self, rel: str, chunks: Iterable[bytes]) -> int: ...
+
+    def remove(self, rel: str) -> None: ...
+
+    def s3_filesystem(self) -> Any | None: ...
 
 
 def machine_id() -> str | None:
@@ -94,7 +112,7 @@ class Lease:
     seen (`remove_late`), instead of in the store client's event loop, where it would land
     unseen after the cleanup."""
 
-    def __init__(self, store: FsspecStorage, rel: str):
+    def __init__(self, store: ObjectStore, rel: str):
         self.store = store
         self.rel = rel
         self.written_at: float | None = None
@@ -224,7 +242,7 @@ def root_lease_name() -> str:
 
 
 def abort_dead_uploads(
-    store: FsspecStorage,
+    store: ObjectStore,
     listing: dict[str, dict[str, Any]],
     lease: Lease,
     debris: Iterable[str] = (),
@@ -298,12 +316,12 @@ def abort_dead_uploads(
     return notes
 
 
-def lease_time(store: FsspecStorage, rel: str) -> float:
+def lease_time(store: ObjectStore, rel: str) -> float:
     """When the store recorded the lease `rel`, by its clock (else this machine's)."""
     return listing_time(store.fs.info(f"{store.root}/{rel}")) or time.time()
 
 
-def remove_dead_temporaries(parent: FsspecStorage, name: str, lease: Lease) -> list[str]:
+def remove_dead_temporaries(parent: ObjectStore, name: str, lease: Lease) -> list[str]:
     """Remove the hidden prefixes `.NAME.ckpt-tmp-*` in `parent` of runs that are gone (see
     the module docstring) and abort their unfinished multipart uploads, and those into DEST
     (`parent/NAME`) begun before this run when no other run holds a lease; `lease` is this
@@ -355,7 +373,7 @@ def remove_dead_temporaries(parent: FsspecStorage, name: str, lease: Lease) -> l
     return notes
 
 
-def _judge(parent: FsspecStorage, entry: str, now: float) -> bool | None:
+def _judge(parent: ObjectStore, entry: str, now: float) -> bool | None:
     """Whether the run of hidden prefix `entry` is gone (None: it cannot be told)."""
     fs = parent.fs
     try:
@@ -381,7 +399,7 @@ def _judge(parent: FsspecStorage, entry: str, now: float) -> bool | None:
 
 
 def _abort_uploads(
-    parent: FsspecStorage,
+    parent: ObjectStore,
     name: str,
     own: str,
     gone: set[str],

@@ -39,7 +39,8 @@ from typing import Any
 
 from ..faults import close_pool, io_failure, naming
 from .crc import crc32_function
-from .remote import UPLOAD_BLOCK, refusal_code
+from .remote import UPLOAD_BLOCK
+from .remote_replies import refusal_code
 
 #: files under this size go up in one PUT (S3 recommends multipart uploads from about
 #: 100 MB; one PUT costs the store a third of the work of parts it must join, measured

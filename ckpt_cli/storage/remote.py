@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from ..errors import CkptError, FormatError, HubError, NotFoundError, UsageError
+from ..errors import FormatError, HubError, NotFoundError, UsageError
 from .base import FILE_GONE_FIX, TMP_MARKER, TRUNCATED_FIX, Storage, file_chunks, is_parity_path
 from .heads import HEAD_WORKERS, WHOLE_FILE_MAX, HeadCache, HeadRead
 from .relpath import safe_relpath
+from .remote_replies import listing_time, refusal_code, remote_failure
 from .uri import Location
 
 if TYPE_CHECKING:
@@ -41,45 +42,6 @@ if TYPE_CHECKING:
 #: bytes per write when streaming into an object store (and the part size asked of
 #: filesystems that upload in parts; S3 needs at least 5 MiB)
 UPLOAD_BLOCK = 16 << 20
-
-
-def remote_failure(exc: BaseException, where: str, *, writing: bool = False) -> CkptError:
-    """A remote filesystem's exception as a ckpt error (exit 3 for missing, else exit 5)."""
-    if isinstance(exc, CkptError):
-        return exc
-    if isinstance(exc, FileNotFoundError) and not writing:
-        # listed (or named by the checkpoint) a moment before, gone when read
-        return NotFoundError(
-            "no such object in the store (deleted or replaced since it was listed?)",
-            path=where,
-            fix="Check that no other job (a prune, a sync, the training run) is removing files "
-            "under this prefix, then run the command again.",
-        )
-    if isinstance(exc, FileNotFoundError):
-        # an object store has no folders to be missing: a write finds no bucket
-        return NotFoundError(
-            f"cannot write there: the bucket does not exist ({exc})",
-            path=where,
-            fix="Create it first (e.g. `aws s3 mb`), or check the endpoint and credentials.",
-        )
-    action = "write to" if writing else "read from"
-    return HubError(
-        f"cannot {action} the remote store ({type(exc).__name__}: {exc})",
-        path=where,
-        fix="Check the network, the endpoint and your credentials"
-        + (" (and that they allow writing here)." if writing else "."),
-    )
-
-
-def refusal_code(exc: BaseException) -> str | None:
-    """The S3 error code of a failed call (s3fs raises its own error, caused by botocore's)."""
-    from botocore.exceptions import ClientError
-
-    cause = exc if isinstance(exc, ClientError) else exc.__cause__
-    if isinstance(cause, ClientError):
-        code = cause.response.get("Error", {}).get("Code")
-        return str(code) if code else None
-    return None
 
 
 @dataclass
@@ -104,19 +66,6 @@ def _read_pool() -> ThreadPoolExecutor:
         if _READ_POOL is None:
             _READ_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-readahead")
         return _READ_POOL
-
-
-def listing_time(info: dict[str, Any]) -> float | None:
-    """A listing entry's modification time: S3's `LastModified`, or `mtime` / `created`."""
-    for key in ("LastModified", "last_modified", "mtime", "updated", "created"):
-        value = info.get(key)
-        if value is None:
-            continue
-        if hasattr(value, "timestamp"):
-            return float(value.timestamp())
-        if isinstance(value, int | float):
-            return float(value)
-    return None
 
 
 class FsspecStorage(Storage):

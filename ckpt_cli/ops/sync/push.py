@@ -23,7 +23,7 @@ from ...storage.hashing import hasher_factory
 from ...storage.object_leases import Lease, abort_dead_uploads, is_lease, root_lease_name
 from ...storage.object_upload import ObjectUploader, multipart_etag, read_for_upload
 from ...storage.output import UPLOAD_BLOCK
-from ...storage.remote import listing_time
+from ...storage.remote_replies import listing_time
 from ...storage.uri import parse_location
 from ..prune.retention import RETENTION_OPTIONS, PrunePolicy, PruneReport
 from ..verify.checksums import ChecksumManifest, FileDigest
