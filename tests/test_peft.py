@@ -1196,3 +1196,162 @@ def test_merge_names_every_file_of_base_and_adapter_it_does_not_carry(
     human = run_ckpt("merge", base, adapter, tmp_path / "again")
     assert human.exit_code == 0, human.stderr
     assert "not in the output: original/consolidated.00.pth" in human.stderr
+
+
+def _moe(folder: Path, family: str, dtype: torch.dtype) -> None:
+    """A tiny MoE as transformers 5 builds it: each layer's experts one `[E, ...]` stack per
+    projection (`mlp.experts.gate_up_proj`, `down_proj`). save_pretrained writes a Qwen3-MoE's
+    stacks back one tensor per expert (`experts.0.gate_proj.weight`...), a gpt-oss's whole and
+    transposed (`[E, in, out]`; here square, `hidden_size == 2 * intermediate_size`, so only the
+    model type tells its layout)."""
+    from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3MoeConfig
+
+    torch.manual_seed(11)
+    shared = {"vocab_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config = (
+        Qwen3MoeConfig(
+            **shared,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=8,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            head_dim=8,
+        )
+        if family == "qwen3_moe"
+        else GptOssConfig(
+            **shared,
+            hidden_size=32,
+            intermediate_size=16,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=8,
+            layer_types=["full_attention"] * 2,
+        )
+    )
+    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [("qwen3_moe", torch.bfloat16), ("qwen3_moe", torch.float32), ("gpt_oss", torch.bfloat16)],
+)
+def test_merge_of_lora_on_moe_expert_stacks_equals_peft(
+    tmp_path: Path, family: str, dtype: torch.dtype
+) -> None:
+    """LoRA on a MoE layer's experts (`target_parameters=["mlp.experts.gate_up_proj", ...]`,
+    peft's way to adapt the 3-D expert stacks of transformers 5, as in the gpt-oss fine-tuning
+    recipes) was refused: "the adapter targets '...mlp.experts.base_layer', which has no weight
+    in the base". `ckpt merge` now merges each `ParamWrapper` as peft does (the factors read
+    expert by expert, the delta rounded into the stack's dtype, then added), into a stack saved
+    whole (gpt-oss, transposed) or one tensor per expert (Qwen3-MoE), bit for bit."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    _moe(base, family, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lora = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), lora)
+        torch.manual_seed(12)
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.data.normal_()
+        model.save_pretrained(adapter)
+        PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base, dtype=dtype), adapter
+        ).merge_and_unload().save_pretrained(tmp_path / "peft-merged")
+    result = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
+    assert result.exit_code == 0, result.stdout
+    merged = result.json["result"]["merged"]
+    # 2 layers: q_proj, and each expert projection (Qwen3-MoE: 4 experts x 3) or stack (2)
+    assert len(merged) == (2 + 2 * 12 if family == "qwen3_moe" else 2 + 2 * 2)
+    want = load_file(tmp_path / "peft-merged" / "model.safetensors")
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+    before = load_file(base / "model.safetensors")
+    assert all(not torch.equal(got[n], before[n]) for n in merged)
+
+
+def test_merge_of_lora_on_a_2d_target_parameter_rounds_as_peft_does(tmp_path: Path) -> None:
+    """A 2-D weight named by `target_parameters` (`self_attn.q_proj.weight`) is updated by a
+    `ParamWrapper`, which rounds the delta into the bf16 weight before adding it (two
+    roundings), where `lora.Linear` adds the float32 delta and rounds once: merged as the
+    latter, about a third of the values were one ulp off `merge_and_unload`'s."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from .framework_fixtures import tiny_config
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    torch.manual_seed(13)
+    AutoModelForCausalLM.from_config(tiny_config()).to(torch.bfloat16).save_pretrained(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lora = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=[],
+            target_parameters=["self_attn.q_proj.weight", "mlp.up_proj.weight"],
+        )
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), lora
+        )
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.data.normal_()
+        model.save_pretrained(adapter)
+        PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), adapter
+        ).merge_and_unload().save_pretrained(tmp_path / "peft-merged")
+    result = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
+    assert result.exit_code == 0, result.stdout
+    assert len(result.json["result"]["merged"]) == 4
+    want = load_file(tmp_path / "peft-merged" / "model.safetensors")
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+
+
+def test_merge_refuses_expert_factors_that_fit_no_targeted_stack(tmp_path: Path) -> None:
+    """An adapter whose expert factors fit none of the stacks its `target_parameters` names
+    there (trained on a MoE of another width) is refused by name, nothing written."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    _moe(base, "qwen3_moe", torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lora = LoraConfig(r=4, lora_alpha=8, target_parameters=["mlp.experts.down_proj"])
+        get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora).save_pretrained(adapter)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    name = next(n for n in tensors if n.endswith("experts.lora_A.weight"))
+    tensors[name] = torch.zeros(tensors[name].shape[0], tensors[name].shape[1] + 1)
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    result = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
+    assert result.exit_code == 4, result.stdout
+    message = result.json["error"]["message"]
+    assert "fit none of the parameters target_parameters names there" in message
+    assert "mlp.experts.down_proj [4, 32, 8]" in message
+    assert not (tmp_path / "merged").exists()
+
+    # a base storing its experts under names transformers renames on load (Mixtral's w2)
+    renamed = load_file(base / "model.safetensors")
+    renamed = {n.replace(".down_proj.weight", ".w2.weight"): t for n, t in renamed.items()}
+    save_file(renamed, base / "model.safetensors", metadata={"format": "pt"})
+    result = run_ckpt("merge", base, tmp_path / "adapter", tmp_path / "merged", "--json")
+    assert result.exit_code == 3, result.stdout
+    message = result.json["error"]["message"]
+    assert "model.layers.0.mlp.experts.down_proj (target_parameters)" in message
+    assert "neither under that name nor one tensor per expert" in message
+    assert not (tmp_path / "merged").exists()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -75,6 +76,10 @@ _CONV1D_MODEL_TYPES = frozenset(
     {"gpt2", "openai-gpt", "imagegpt", "decision_transformer", "clvp", "clvp_decoder"}
 )
 _CONV1D_MODULES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
+#: `config.json` model types whose MoE expert stacks are stored `[E, in, out]` (transformers'
+#: `use_experts_implementation(is_transposed=True)`); every other model's are `[E, out, in]`.
+#: Told by the shapes but for a square stack (`hidden_size == 2 * intermediate_size`)
+_TRANSPOSED_EXPERT_MODEL_TYPES = frozenset({"gpt_oss", "aria", "ergo", "openai_privacy_filter"})
 #: peft's trainable tokens (`trainable_token_indices`): rows of an embedding replaced
 _TRAINABLE_TOKENS = (".token_adapter.", "trainable_tokens_delta", "trainable_tokens_original")
 
@@ -189,6 +194,12 @@ class _Update:
             feature), or None for plain LoRA.
         bias: for the update of a base layer's bias (`lora_bias=True`), the `lora_B` bias
             added into it, scaled as the weight's update; `a` and `b` are then None.
+        experts: for a parameter an adapter's `target_parameters` names (peft's
+            `ParamWrapper`), the number of experts of its `[E, ...]` stack (1 for a 2-D
+            weight); `module` is then the parameter's name and `transposed` says the stack is
+            stored `[E, in, out]`. None for a layer `target_modules` names.
+        expert / rows: for a stack the base stores one tensor per expert, the expert this
+            tensor holds and which of that expert's rows (None: all of them).
     """
 
     def __init__(self, module: str):
@@ -199,6 +210,9 @@ class _Update:
         self.transposed = False
         self.magnitude: str | None = None
         self.bias: str | None = None
+        self.experts: int | None = None
+        self.expert: int | None = None
+        self.rows: tuple[int, int] | None = None
 
 
 def _plan_bias(
@@ -349,7 +363,8 @@ class MergedCheckpoint(Checkpoint):
         assert update.a is not None and update.b is not None
         a = self.adapter.read_tensor(update.a)
         b = self.adapter.read_tensor(update.b)
-        held = a.shape[0]  # lora_A (and lora_embedding_A) is [r, in]
+        # lora_A (and lora_embedding_A) is [r, in]; a parameter's, [r * E, in] for E experts
+        held = a.shape[0] // (update.experts or 1)
         if held != r:
             # the factors' own rank is what the product has; a config saying another makes
             # every delta scaled wrong
@@ -360,6 +375,14 @@ class MergedCheckpoint(Checkpoint):
                 fix="Use the adapter_config.json saved with these weights.",
             )
         compute = _delta_dtype(weight.dtype)
+        if update.experts is not None:
+            delta = _parameter_delta(a.to(compute), b.to(compute), update, scaling)
+            self._check_fits(
+                f"the LoRA update of {update.module!r}", delta, "parameter", name, weight
+            )
+            # ParamWrapper.merge: `param += delta`, the delta rounded into the parameter's
+            # dtype first (`get_delta_weight`), then the sum rounded again
+            return torch.add(weight, delta.to(weight.dtype)).contiguous()
         delta = (b.to(compute) @ a.to(compute)) * scaling
         if update.transposed:
             delta = delta.T
@@ -411,6 +434,34 @@ def _dora_merged(
     factor = factor.view(1, -1) if update.transposed else factor.view(-1, 1)
     merged: torch.Tensor = (factor * (weight + delta)).to(weight.dtype)
     return merged.contiguous()
+
+
+def _parameter_delta(
+    a: torch.Tensor, b: torch.Tensor, update: _Update, scaling: float
+) -> torch.Tensor:
+    """peft's `ParamWrapper.get_delta_weight`, op for op: a 2-D weight's `B @ A` (as
+    `lora.Linear`); for a stack of E experts, lora_A's rows read expert by expert (`[E, r,
+    in]`), lora_B's columns rank by rank (`[out, r, E]`), multiplied per expert into the
+    stack's own layout (`[E, out, in]`, or `[E, in, out]` when `transposed`); for a stack
+    stored one tensor per expert, that tensor's expert and rows only."""
+    import torch
+
+    experts = update.experts or 1
+    if update.experts == 1:
+        return (b @ a) * scaling
+    per_a = a.reshape(experts, -1, a.shape[-1])
+    per_b = b.reshape(b.shape[0], -1, experts)
+    if update.expert is not None:
+        # one expert of a stack stored expert by expert: its own slice of the same batched
+        # product (each expert's is computed alone either way), then its rows
+        e = update.expert
+        per_a, per_b = per_a[e : e + 1], per_b[:, :, e : e + 1]
+    layout = "e i o" if update.transposed else "e o i"
+    delta = torch.einsum(f"o r e, e r i -> {layout}", per_b, per_a) * scaling
+    if update.expert is None:
+        return delta
+    lo, hi = update.rows or (0, delta.shape[1])
+    return delta[0, lo:hi]
 
 
 #: input embeddings an output projection is tied to when a model saves no `lm_head.weight`
@@ -566,6 +617,10 @@ def _plan_updates(
     resized: dict[str, list[int]] = {}
     where = adapter.manifest.location
     adapter_keys = {e.name.removeprefix(_PEFT_PREFIX) for e in adapter.manifest.entries}
+    parameter_targets = _parameter_targets(config)
+    # the factors of peft's `ParamWrapper`s (`target_parameters`): module -> its wrappers, the
+    # outermost first (depth = the `.base_layer` parts after the module's name) -> part -> entry
+    wrapped: dict[str, dict[int, dict[str, Entry]]] = {}
     for entry in adapter.manifest.entries:
         if entry.kind != "tensor":
             continue
@@ -670,6 +725,24 @@ def _plan_updates(
                     untied.setdefault(alias, (None, target))
             continue
         module, part = match.group("module"), match.group("part")
+        if parameter_targets and part in ("lora_A", "lora_B"):
+            owner, depth = module, 0
+            while owner.endswith(".base_layer"):
+                owner, depth = owner.removesuffix(".base_layer"), depth + 1
+            if _wrapped_parameters(owner, parameter_targets, names, base):
+                wrapped.setdefault(owner, {}).setdefault(depth, {})[part] = entry
+                continue
+            named = _named_parameters(owner, parameter_targets)
+            if named and _base_name(owner, "weight", known) is None:
+                raise NotFoundError(
+                    f"the adapter updates {', '.join(named)} (target_parameters), which the "
+                    "base stores neither under that name nor one tensor per expert "
+                    "(experts.N.gate_proj / up_proj / down_proj)",
+                    path=where,
+                    fix="Check that the adapter was trained on this base model; a base whose "
+                    "experts transformers renames on load (Mixtral's w1/w2/w3): merge it with "
+                    "peft's merge_and_unload.",
+                )
         magnitude = part == "lora_magnitude_vector"
         if magnitude and not config.get("use_dora"):
             raise FormatError(
@@ -729,9 +802,199 @@ def _plan_updates(
             )
         update.transposed = transposed
         _check_dora(update, config, product[0], where, factors)
+    for owner, levels in wrapped.items():
+        _plan_parameters(
+            owner, levels, parameter_targets, base, quant, names, model_type, updates, where
+        )
     _check_coverage(base, config, names, updates, where)
     _check_vocabulary(base, names, tied, untied, resized, where)
     return updates, replaced, untied, resized
+
+
+def _parameter_targets(config: dict[str, Any]) -> list[str]:
+    """adapter_config.json's `target_parameters`: the parameters peft wraps one by one (a MoE
+    layer's `mlp.experts.gate_up_proj` stack), which no `target_modules` layer holds."""
+    targets = config.get("target_parameters")
+    return [t for t in targets if isinstance(t, str)] if isinstance(targets, list) else []
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A parameter `target_parameters` names, as the base stores it: its shape in the model
+    (`[E, X, Y]` for a stack of E experts) and the tensors holding it, each with the expert it
+    holds (None: the whole parameter) and that expert's rows (None: all of them)."""
+
+    shape: list[int]
+    pieces: list[tuple[str, int | None, tuple[int, int] | None]]
+
+
+#: expert stacks transformers builds on load from one tensor per expert (its conversion
+#: mapping of the Qwen2-MoE family: Qwen3-MoE, DeepSeek-V2/V3, OLMoE, GLM-4-MoE...): the
+#: stack -> the per-expert projections concatenated into each expert's rows
+_PER_EXPERT: dict[str, tuple[str, ...]] = {
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+def _stored_parameter(module: str, param: str, names: set[str], base: Checkpoint) -> _Stored | None:
+    """How the base stores `module`'s parameter `param`: as one tensor of that name (a
+    weight, or a stack saved whole, as gpt-oss's), or one tensor per expert
+    (`experts.0.gate_proj.weight`...: save_pretrained writes most MoE models' stacks so); None
+    when it holds neither."""
+    whole = _base_name(module, param, names)
+    if whole is not None:
+        return _Stored(list(base.manifest.by_name[whole].shape), [(whole, None, None)])
+    projections = _PER_EXPERT.get(param)
+    if projections is None:
+        return None
+    first = _base_name(module, f"0.{projections[0]}.weight", names)
+    if first is None:
+        return None
+    prefix = first.removesuffix(f"0.{projections[0]}.weight")
+    pieces: list[tuple[str, int | None, tuple[int, int] | None]] = []
+    size: tuple[int, int] | None = None  # each expert's (rows, columns)
+    expert = 0
+    while f"{prefix}{expert}.{projections[0]}.weight" in names:
+        held = [f"{prefix}{expert}.{projection}.weight" for projection in projections]
+        if any(name not in names for name in held):
+            return None
+        shapes = [list(base.manifest.by_name[name].shape) for name in held]
+        if any(len(shape) != 2 for shape in shapes) or len({shape[1] for shape in shapes}) != 1:
+            return None
+        rows = sum(shape[0] for shape in shapes)
+        if size not in (None, (rows, shapes[0][1])):
+            return None
+        size = (rows, shapes[0][1])
+        row = 0
+        for name, shape in zip(held, shapes, strict=True):
+            pieces.append((name, expert, (row, row + shape[0]) if len(held) > 1 else None))
+            row += shape[0]
+        expert += 1
+    if size is None:
+        return None
+    return _Stored([expert, *size], pieces)
+
+
+def _named_parameters(module: str, targets: list[str]) -> list[str]:
+    """The names of `module`'s parameters that `targets` (`target_parameters`) name: peft's
+    rule, a parameter whose full name is a target or ends with `.` and one."""
+    keys = (f"{module}.{target.rpartition('.')[2]}" for target in targets)
+    return [
+        key
+        for key, target in zip(keys, targets, strict=True)
+        if key == target or key.endswith(f".{target}")
+    ]
+
+
+def _wrapped_parameters(
+    module: str, targets: list[str], names: set[str], base: Checkpoint
+) -> dict[str, _Stored]:
+    """The parameters of `module` that `targets` (`target_parameters`) name
+    (`_named_parameters`), as the base stores them; those it does not store are left out."""
+    found: dict[str, _Stored] = {}
+    for key in _named_parameters(module, targets):
+        stored = _stored_parameter(module, key.rpartition(".")[2], names, base)
+        if stored is not None:
+            found.setdefault(key, stored)
+    return found
+
+
+def _parameter_fits(
+    a: list[int], b: list[int], shape: list[int], model_type: str | None
+) -> list[bool]:
+    """The layouts (`transposed` or not) in which a `ParamWrapper`'s factors, lora_A `a`
+    (`[r * E, in]`) and lora_B `b` (`[out, r * E]`), update a parameter of `shape`, as peft
+    reads them: a 2-D weight is `[out, in]`; an `[E, X, Y]` expert stack is `[E, out, in]`, or
+    `[E, in, out]` in the models whose experts are transposed. A square stack's layout is the
+    model type's (both, so refused, when the model type is unknown)."""
+    if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+        return []
+    if len(shape) == 2:
+        return [False] if [b[0], a[1]] == shape else []
+    if len(shape) != 3 or shape[0] < 1 or a[0] % shape[0]:
+        return []
+    _, rows, cols = shape
+    found = [
+        transposed
+        for transposed, (inputs, outputs) in ((False, (cols, rows)), (True, (rows, cols)))
+        if (a[1], b[0]) == (inputs, outputs)
+    ]
+    if len(found) == 2 and model_type is not None:
+        return [model_type in _TRANSPOSED_EXPERT_MODEL_TYPES]
+    return found
+
+
+def _plan_parameters(
+    owner: str,
+    levels: dict[int, dict[str, Entry]],
+    targets: list[str],
+    base: Checkpoint,
+    quant: QuantAnalysis,
+    names: set[str],
+    model_type: str | None,
+    updates: dict[str, _Update],
+    where: str,
+) -> None:
+    """The updates of the parameters of `owner` that `target_parameters` names: peft wraps each
+    in a `ParamWrapper`, nested when a module has several (`experts.lora_A`,
+    `experts.base_layer.lora_A`...) in an order no file records, so each wrapper's factors
+    are matched to the one parameter their shapes fit; anything else is refused."""
+    params = _wrapped_parameters(owner, targets, names, base)
+    done: set[str] = set()
+    for depth, parts in sorted(levels.items()):
+        label = owner + ".base_layer" * depth
+        a, b = parts.get("lora_A"), parts.get("lora_B")
+        if a is None or b is None:
+            raise FormatError(
+                f"{label!r} has only one of its two LoRA factors",
+                path=where,
+                fix="The adapter file is incomplete; save it again.",
+            )
+        fits = [
+            (key, transposed)
+            for key, stored in params.items()
+            for transposed in _parameter_fits(
+                list(a.shape), list(b.shape), stored.shape, model_type
+            )
+        ]
+        if len(fits) != 1:
+            found = ", ".join(f"{key} {stored.shape}" for key, stored in params.items())
+            raise FormatError(
+                f"the LoRA factors of {label!r} (lora_A {list(a.shape)}, lora_B "
+                f"{list(b.shape)}) fit {'none' if not fits else 'more than one'} of the "
+                f"parameters target_parameters names there ({found})",
+                path=where,
+                fix="Check that the adapter was trained on this base model"
+                + ("" if not fits else "; merge it with peft's merge_and_unload")
+                + ".",
+            )
+        ((key, transposed),) = fits
+        stored = params[key]
+        if key in done:
+            raise FormatError(
+                f"two LoRA wrappers of {owner!r} update the same parameter {key!r}",
+                path=where,
+                fix="The adapter file is inconsistent; save it again.",
+            )
+        done.add(key)
+        if transposed and len(stored.pieces) > 1:
+            raise FormatError(
+                f"the adapter updates {key!r}, an expert stack stored transposed ([E, in, out]) "
+                "one tensor per expert, a layout `ckpt merge` does not split",
+                path=where,
+                fix="Merge it with peft's merge_and_unload.",
+            )
+        for name, expert, rows in stored.pieces:
+            problem = _not_mergeable(base, quant, name, owner, names)
+            if problem is not None:
+                raise problem
+            update = _Update(key)
+            update.a, update.b = a.name, b.name
+            update.transposed = transposed
+            update.experts = stored.shape[0] if len(stored.shape) == 3 else 1
+            update.expert, update.rows = expert, rows
+            updates[name] = update
 
 
 #: the tensors whose rows are the vocabulary: the input embeddings and the output head
