@@ -1355,3 +1355,45 @@ def test_merge_refuses_expert_factors_that_fit_no_targeted_stack(tmp_path: Path)
     assert "model.layers.0.mlp.experts.down_proj (target_parameters)" in message
     assert "neither under that name nor one tensor per expert" in message
     assert not (tmp_path / "merged").exists()
+
+
+def test_merge_refuses_lora_on_an_expert_stack_stored_quantized(tmp_path: Path) -> None:
+    """gpt-oss ships its expert stacks in MXFP4 (`gate_up_proj_blocks` / `_scales`): LoRA on
+    them (`target_parameters`) is refused by the scheme, with the dequantize-first fix, as
+    every quantized LoRA target is, not as a stack "stored neither whole nor per expert"."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    base, adapter, quantized = tmp_path / "base", tmp_path / "adapter", tmp_path / "mxfp4"
+    _moe(base, "gpt_oss", torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lora = LoraConfig(r=4, lora_alpha=8, target_parameters=["mlp.experts.gate_up_proj"])
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+        get_peft_model(model, lora).save_pretrained(adapter)
+    shutil.copytree(base, quantized)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(base / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, rows, cols = tensor.shape
+            tensors[name + "_blocks"] = torch.zeros(
+                experts, cols, rows // 32, 16, dtype=torch.uint8
+            )
+            tensors[name + "_scales"] = torch.full(
+                (experts, cols, rows // 32), 127, dtype=torch.uint8
+            )
+        else:
+            tensors[name] = tensor
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    result = run_ckpt("merge", quantized, adapter, tmp_path / "merged", "--json")
+    assert result.exit_code == 4, result.stdout
+    error = result.json["error"]
+    assert (
+        "'model.layers.0.mlp.experts.gate_up_proj_blocks' is quantized (MXFP4" in error["message"]
+    )
+    assert "--dequantize" in error["fix"]
+    assert not (tmp_path / "merged").exists()

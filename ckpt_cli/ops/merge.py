@@ -729,10 +729,18 @@ def _plan_updates(
             owner, depth = module, 0
             while owner.endswith(".base_layer"):
                 owner, depth = owner.removesuffix(".base_layer"), depth + 1
+            named = _named_parameters(owner, parameter_targets)
+            for key in named:
+                # a stack stored quantized (gpt-oss's MXFP4 `gate_up_proj_blocks`): refused
+                # as every quantized LoRA target is, by its scheme
+                held = _base_name(owner, key.rpartition(".")[2], known)
+                if held is not None and held not in names:
+                    problem = _not_mergeable(base, quant, held, owner, names)
+                    if problem is not None:
+                        raise problem
             if _wrapped_parameters(owner, parameter_targets, names, base):
                 wrapped.setdefault(owner, {}).setdefault(depth, {})[part] = entry
                 continue
-            named = _named_parameters(owner, parameter_targets)
             if named and _base_name(owner, "weight", known) is None:
                 raise NotFoundError(
                     f"the adapter updates {', '.join(named)} (target_parameters), which the "
