@@ -1040,6 +1040,28 @@ def _dora_adapter(base: Path, adapter: Path, targets: list[str], dtype: torch.dt
     _trained_adapter(base, adapter, lora, dtype)
 
 
+def _merge_like_peft(base: Path, adapter: Path, out: Path, dtype: torch.dtype) -> list[str]:
+    """`ckpt merge BASE ADAPTER OUT/merged` held against peft's `merge_and_unload` of the same
+    pair (`OUT/peft-merged`): every tensor bit for bit, in the base's dtype. The merged names."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base, dtype=dtype), adapter
+        ).merge_and_unload().save_pretrained(out / "peft-merged")
+    result = run_ckpt("merge", base, adapter, out / "merged", "--json")
+    assert result.exit_code == 0, result.stdout
+    want = load_file(out / "peft-merged" / "model.safetensors")
+    got = load_file(out / "merged" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+    assert all(got[n].dtype == dtype for n in got if got[n].is_floating_point())
+    merged: list[str] = result.json["result"]["merged"]
+    return merged
+
+
 @pytest.mark.parametrize(
     ("family", "dtype"),
     [("llama", torch.float32), ("llama", torch.bfloat16), ("gpt2", torch.bfloat16)],
@@ -1051,7 +1073,6 @@ def test_merge_of_a_dora_adapter_equals_peft(
     factors) was refused ("merge it with peft's merge_and_unload"). `ckpt merge` now merges it
     as peft's `DoraLinearVariant` does: the magnitude over the norm of each row of `W + ΔW`,
     times `W + ΔW`, bit for bit, on 16-bit bases and on GPT-2's `Conv1D` layers (`[in, out]`)."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base, adapter = tmp_path / "base", tmp_path / "adapter"
@@ -1064,22 +1085,13 @@ def test_merge_of_a_dora_adapter_equals_peft(
         warnings.simplefilter("ignore")
         AutoModelForCausalLM.from_pretrained(source, dtype=dtype).save_pretrained(base)
     _dora_adapter(base, adapter, targets, dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(base, dtype=dtype), adapter
-        ).merge_and_unload().save_pretrained(tmp_path / "peft-merged")
-    result = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
-    assert result.exit_code == 0, result.stdout
-    merged = result.json["result"]["merged"]
+    merged = _merge_like_peft(base, adapter, tmp_path, dtype)
     assert len(merged) == (6 if family == "llama" else 3)
-    want = load_file(tmp_path / "peft-merged" / "model.safetensors")
-    got = load_file(tmp_path / "merged" / "model.safetensors")
-    assert got.keys() == want.keys()
-    assert [n for n in got if not torch.equal(got[n], want[n])] == []
-    before = load_file(base / "model.safetensors")
+    got, before = (
+        load_file(tmp_path / "merged" / "model.safetensors"),
+        load_file(base / "model.safetensors"),
+    )
     assert all(not torch.equal(got[n], before[n]) for n in merged)
-    assert all(got[n].dtype == dtype for n in got if got[n].is_floating_point())
 
 
 def test_merge_refuses_the_dora_it_cannot_merge(tiny_llama: Path, tmp_path: Path) -> None:
@@ -1247,38 +1259,24 @@ def test_merge_of_lora_on_moe_expert_stacks_equals_peft(
     in the base". `ckpt merge` now merges each `ParamWrapper` as peft does (the factors read
     expert by expert, the delta rounded into the stack's dtype, then added), into a stack saved
     whole (gpt-oss, transposed) or one tensor per expert (Qwen3-MoE), bit for bit."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from peft import LoraConfig
 
     base, adapter = tmp_path / "base", tmp_path / "adapter"
     _moe(base, family, dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lora = LoraConfig(
-            r=4,
-            lora_alpha=8,
-            target_modules=["q_proj"],
-            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-        )
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), lora)
-        torch.manual_seed(12)
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.data.normal_()
-        model.save_pretrained(adapter)
-        PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(base, dtype=dtype), adapter
-        ).merge_and_unload().save_pretrained(tmp_path / "peft-merged")
-    result = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
-    assert result.exit_code == 0, result.stdout
-    merged = result.json["result"]["merged"]
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    _trained_adapter(base, adapter, lora, dtype)
+    merged = _merge_like_peft(base, adapter, tmp_path, dtype)
     # 2 layers: q_proj, and each expert projection (Qwen3-MoE: 4 experts x 3) or stack (2)
     assert len(merged) == (2 + 2 * 12 if family == "qwen3_moe" else 2 + 2 * 2)
-    want = load_file(tmp_path / "peft-merged" / "model.safetensors")
-    got = load_file(tmp_path / "merged" / "model.safetensors")
-    assert got.keys() == want.keys()
-    assert [n for n in got if not torch.equal(got[n], want[n])] == []
-    before = load_file(base / "model.safetensors")
+    got, before = (
+        load_file(tmp_path / "merged" / "model.safetensors"),
+        load_file(base / "model.safetensors"),
+    )
     assert all(not torch.equal(got[n], before[n]) for n in merged)
 
 
@@ -1287,7 +1285,7 @@ def test_merge_of_lora_on_a_2d_target_parameter_rounds_as_peft_does(tmp_path: Pa
     `ParamWrapper`, which rounds the delta into the bf16 weight before adding it (two
     roundings), where `lora.Linear` adds the float32 delta and rounds once: merged as the
     latter, about a third of the values were one ulp off `merge_and_unload`'s."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
     from .framework_fixtures import tiny_config
@@ -1295,30 +1293,14 @@ def test_merge_of_lora_on_a_2d_target_parameter_rounds_as_peft_does(tmp_path: Pa
     base, adapter = tmp_path / "base", tmp_path / "adapter"
     torch.manual_seed(13)
     AutoModelForCausalLM.from_config(tiny_config()).to(torch.bfloat16).save_pretrained(base)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lora = LoraConfig(
-            r=4,
-            lora_alpha=8,
-            target_modules=[],
-            target_parameters=["self_attn.q_proj.weight", "mlp.up_proj.weight"],
-        )
-        model = get_peft_model(
-            AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), lora
-        )
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.data.normal_()
-        model.save_pretrained(adapter)
-        PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), adapter
-        ).merge_and_unload().save_pretrained(tmp_path / "peft-merged")
-    result = run_ckpt("merge", base, adapter, tmp_path / "merged", "--json")
-    assert result.exit_code == 0, result.stdout
-    assert len(result.json["result"]["merged"]) == 4
-    want = load_file(tmp_path / "peft-merged" / "model.safetensors")
-    got = load_file(tmp_path / "merged" / "model.safetensors")
-    assert [n for n in got if not torch.equal(got[n], want[n])] == []
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=[],
+        target_parameters=["self_attn.q_proj.weight", "mlp.up_proj.weight"],
+    )
+    _trained_adapter(base, adapter, lora, torch.bfloat16)
+    assert len(_merge_like_peft(base, adapter, tmp_path, torch.bfloat16)) == 4
 
 
 def test_merge_refuses_expert_factors_that_fit_no_targeted_stack(tmp_path: Path) -> None:
