@@ -131,7 +131,7 @@ def peft_info(source: Source, base: str = "") -> LayoutInfo | None:
         "target_modules": targets,
         "task_type": config.get("task_type"),
     }
-    for key in ("use_rslora", "use_dora", "fan_in_fan_out", "modules_to_save"):
+    for key in ("target_parameters", "use_rslora", "use_dora", "fan_in_fan_out", "modules_to_save"):
         if config.get(key):
             details[key] = config[key]
     for key in ("rank_pattern", "alpha_pattern"):
@@ -145,6 +145,10 @@ def peft_info(source: Source, base: str = "") -> LayoutInfo | None:
     if targets:
         shown = ", ".join(targets) if isinstance(targets, list) else str(targets)
         parts.append(f"targets {shown}")
+    parameters = config.get("target_parameters")
+    if isinstance(parameters, list) and parameters:
+        # LoRA on parameters (MoE expert stacks) rather than on whole layers
+        parts.append(f"parameters {', '.join(map(str, parameters))}")
     base_model = details["base_model_name_or_path"] or "an unnamed base model"
     description = f"{name} adapter for {base_model}"
     if parts:
