@@ -1271,7 +1271,7 @@ def test_merge_of_lora_on_moe_expert_stacks_equals_peft(
     )
     _trained_adapter(base, adapter, lora, dtype)
     label = run_ckpt("inspect", adapter).stdout
-    assert "targets q_proj; parameters mlp.experts.gate_up_proj, mlp.experts.down_proj" in label
+    assert "targets q_proj; parameters mlp.experts.down_proj, mlp.experts.gate_up_proj" in label
     merged = _merge_like_peft(base, adapter, tmp_path, dtype)
     # 2 layers: q_proj, and each expert projection (Qwen3-MoE: 4 experts x 3) or stack (2)
     assert len(merged) == (2 + 2 * 12 if family == "qwen3_moe" else 2 + 2 * 2)

@@ -148,7 +148,7 @@ def peft_info(source: Source, base: str = "") -> LayoutInfo | None:
     parameters = config.get("target_parameters")
     if isinstance(parameters, list) and parameters:
         # LoRA on parameters (MoE expert stacks) rather than on whole layers
-        parts.append(f"parameters {', '.join(map(str, parameters))}")
+        parts.append(f"parameters {', '.join(sorted(map(str, parameters)))}")
     base_model = details["base_model_name_or_path"] or "an unnamed base model"
     description = f"{name} adapter for {base_model}"
     if parts:
