@@ -1,4 +1,4 @@
-"""Benchmark `ckpt merge` (LoRA and DoRA) against what users run otherwise: peft's
+"""Benchmark `ckpt merge` (LoRA, DoRA, LoRA on MoE expert stacks) against what users run otherwise: peft's
 `PeftModel.from_pretrained(base).merge_and_unload().save_pretrained(out)`. Run by hand, not in
 tests.
 
@@ -6,7 +6,9 @@ tests.
 
 Builds a Llama-shaped base of about `--gb` GiB (bf16, GQA) with transformers' own
 `save_pretrained`, and a LoRA and a DoRA adapter (r=16 on every linear layer of the blocks,
-every factor and magnitude moved from its initial value) with peft's `save_pretrained`. Then
+every factor and magnitude moved from its initial value) with peft's `save_pretrained`; and a
+Qwen3-MoE-shaped base of about the same size (32 experts a layer, stored one tensor per expert as
+`save_pretrained` writes them) with a LoRA on its expert stacks (`target_parameters`, r=16). Then
 measures, interleaved over `--rounds` rounds (wall time and peak RSS via /usr/bin/time, page
 cache warm for all):
 
@@ -50,6 +52,28 @@ for kind in ("lora", "dora"):
     model.save_pretrained(f"{root}/{kind}")
 """
 
+BUILD_MOE = """
+import sys, torch, warnings
+warnings.simplefilter("ignore")
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from peft import LoraConfig, get_peft_model
+root, layers = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+config = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                        moe_intermediate_size=512, num_experts=32, num_experts_per_tok=4,
+                        num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8)
+Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(f"{root}/moe-base")
+model = Qwen3MoeForCausalLM.from_pretrained(f"{root}/moe-base", dtype=torch.bfloat16)
+lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"],
+                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+model = get_peft_model(model, lora)
+with torch.no_grad():
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.add_(torch.randn_like(param) * 0.01)
+model.save_pretrained(f"{root}/moe")
+"""
+
 PEFT_MERGE = """
 import sys, torch, warnings
 warnings.simplefilter("ignore")
@@ -88,29 +112,39 @@ def main() -> None:
     layers = max(1, round((args.gb * 1024 - 125) / 28.4))
     if not (root / "dora").exists():
         subprocess.run([PY, "-c", BUILD, str(root), str(layers)], env=ENV, check=True)
+    # a MoE block of this shape is about 100 MiB in bf16 (its 32 experts 96 MiB)
+    moe_layers = max(1, round((args.gb * 1024 - 125) / 100))
+    if not (root / "moe").exists():
+        subprocess.run([PY, "-c", BUILD_MOE, str(root), str(moe_layers)], env=ENV, check=True)
     size = sum(f.stat().st_size for f in (root / "base").glob("*.safetensors")) / 2**30
+    moe_size = sum(f.stat().st_size for f in (root / "moe-base").glob("*.safetensors")) / 2**30
+    bases = {"lora": root / "base", "dora": root / "base", "moe": root / "moe-base"}
     times: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for _ in range(args.rounds):
-        for kind in ("lora", "dora"):
+        for kind, base in bases.items():
             for tool in ("ckpt", "peft"):
                 out = root / f"out-{tool}-{kind}"
                 shutil.rmtree(out, ignore_errors=True)
                 if tool == "ckpt":
-                    cmd = [PY, "-m", "ckpt_cli", "merge", str(root / "base"), str(root / kind)]
+                    cmd = [PY, "-m", "ckpt_cli", "merge", str(base), str(root / kind)]
                 else:
-                    cmd = [PY, "-c", PEFT_MERGE, str(root / "base"), str(root / kind)]
+                    cmd = [PY, "-c", PEFT_MERGE, str(base), str(root / kind)]
                 times.setdefault((kind, tool), []).append(measure([*cmd, str(out)]))
-    for kind in ("lora", "dora"):
+    for kind in bases:
         outs = [str(root / f"out-{tool}-{kind}") for tool in ("ckpt", "peft")]
         subprocess.run([PY, "-c", SAME, *outs], env=ENV, check=True)
-    print(f"base {size:.2f} GiB bf16, {layers} layers; medians of {args.rounds} round(s)")
+    print(
+        f"base {size:.2f} GiB bf16, {layers} layers; MoE base {moe_size:.2f} GiB, {moe_layers} "
+        f"layers of 32 experts; medians of {args.rounds} round(s)"
+    )
     print("| adapter | ckpt merge | peft merge_and_unload | time ratio | memory ratio |")
     print("|---|---|---|---|---|")
-    for kind in ("lora", "dora"):
+    labels = {"lora": "LoRA", "dora": "DoRA", "moe": "LoRA on MoE experts"}
+    for kind in bases:
         ours = [statistics.median(x) for x in zip(*times[(kind, "ckpt")], strict=True)]
         theirs = [statistics.median(x) for x in zip(*times[(kind, "peft")], strict=True)]
         print(
-            f"| {'DoRA' if kind == 'dora' else 'LoRA'} | {ours[0]:.2f} s, "
+            f"| {labels[kind]} | {ours[0]:.2f} s, "
             f"{ours[1]:.0f} MiB | {theirs[0]:.2f} s, {theirs[1]:.0f} MiB | "
             f"{ours[0] / theirs[0]:.2f}x | {ours[1] / theirs[1]:.2f}x |"
         )

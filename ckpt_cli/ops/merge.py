@@ -325,6 +325,9 @@ class MergedCheckpoint(Checkpoint):
         self.updates = updates
         self.replaced = replaced
         self.config = config
+        # `_parameter_delta`'s: (A, B name, compute dtype) -> the factors; the last delta
+        self._factors: dict[tuple[str, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._last_delta: tuple[tuple[str, int | None, torch.dtype], torch.Tensor] | None = None
 
     def read_tensor(self, name: str) -> torch.Tensor:
         if name in self.untied:
@@ -361,28 +364,20 @@ class MergedCheckpoint(Checkpoint):
             self._check_fits(f"the LoRA bias of {update.module!r}", added, "bias", name, weight)
             return torch.add(weight, added).to(weight.dtype).contiguous()
         assert update.a is not None and update.b is not None
-        a = self.adapter.read_tensor(update.a)
-        b = self.adapter.read_tensor(update.b)
-        # lora_A (and lora_embedding_A) is [r, in]; a parameter's, [r * E, in] for E experts
-        held = a.shape[0] // (update.experts or 1)
-        if held != r:
-            # the factors' own rank is what the product has; a config saying another makes
-            # every delta scaled wrong
-            raise FormatError(
-                f"the LoRA factors of {update.module!r} have rank {held}, adapter_config.json "
-                f"says r={r}",
-                path=self.adapter.manifest.location,
-                fix="Use the adapter_config.json saved with these weights.",
-            )
         compute = _delta_dtype(weight.dtype)
         if update.experts is not None:
-            delta = _parameter_delta(a.to(compute), b.to(compute), update, scaling)
+            delta = self._parameter_delta(update, r, scaling, compute)
+            if update.rows is not None:
+                delta = delta[update.rows[0] : update.rows[1]]
             self._check_fits(
                 f"the LoRA update of {update.module!r}", delta, "parameter", name, weight
             )
             # ParamWrapper.merge: `param += delta`, the delta rounded into the parameter's
             # dtype first (`get_delta_weight`), then the sum rounded again
             return torch.add(weight, delta.to(weight.dtype)).contiguous()
+        a = self.adapter.read_tensor(update.a)
+        b = self.adapter.read_tensor(update.b)
+        self._check_rank(update, a, r)
         delta = (b.to(compute) @ a.to(compute)) * scaling
         if update.transposed:
             delta = delta.T
@@ -398,6 +393,46 @@ class MergedCheckpoint(Checkpoint):
         # taken in the wider of the two (a bf16 weight: bf16(w + delta), never
         # w + bf16(delta), which differs by an ulp in about a third of the values)
         return torch.add(weight, delta).to(weight.dtype).contiguous()
+
+    def _check_rank(self, update: _Update, a: torch.Tensor, r: int) -> None:
+        """Refuse factors whose own rank is not adapter_config.json's: the product has theirs,
+        so every delta would be scaled wrong. lora_A (and lora_embedding_A) is `[r, in]`; a
+        parameter's, `[r * E, in]` for E experts."""
+        held = a.shape[0] // (update.experts or 1)
+        if held != r:
+            raise FormatError(
+                f"the LoRA factors of {update.module!r} have rank {held}, adapter_config.json "
+                f"says r={r}",
+                path=self.adapter.manifest.location,
+                fix="Use the adapter_config.json saved with these weights.",
+            )
+
+    def _parameter_delta(
+        self, update: _Update, r: int, scaling: float, compute: torch.dtype
+    ) -> torch.Tensor:
+        """The delta of a `ParamWrapper` update (`_stack_delta`): of its whole parameter, or of
+        the one expert its tensor holds. A stack stored one tensor per expert is written
+        tensor by tensor, its two or three projections of an expert side by side: the factors
+        of the last stacks read, and the last expert's delta, are kept for the next tensors
+        (bounded: the factors of two stacks, one expert's delta; never a whole stack's)."""
+        assert update.a is not None and update.b is not None
+        key = (update.module, update.expert, compute)
+        if self._last_delta is not None and self._last_delta[0] == key:
+            return self._last_delta[1]
+        pair = (update.a, update.b, compute)
+        factors = self._factors.get(pair)
+        if factors is None:
+            a = self.adapter.read_tensor(update.a)
+            self._check_rank(update, a, r)
+            factors = (a.to(compute), self.adapter.read_tensor(update.b).to(compute))
+            if len(self._factors) >= 2:
+                del self._factors[next(iter(self._factors))]
+            self._factors[pair] = factors
+        delta = _stack_delta(*factors, update, scaling)
+        # one expert's delta is small; a whole stack's is the largest tensor, held no longer
+        # than its own write
+        self._last_delta = (key, delta) if update.expert is not None else None
+        return delta
 
     def _check_fits(
         self, what: str, update: torch.Tensor, kind: str, name: str, base: torch.Tensor
@@ -436,14 +471,12 @@ def _dora_merged(
     return merged.contiguous()
 
 
-def _parameter_delta(
-    a: torch.Tensor, b: torch.Tensor, update: _Update, scaling: float
-) -> torch.Tensor:
+def _stack_delta(a: torch.Tensor, b: torch.Tensor, update: _Update, scaling: float) -> torch.Tensor:
     """peft's `ParamWrapper.get_delta_weight`, op for op: a 2-D weight's `B @ A` (as
     `lora.Linear`); for a stack of E experts, lora_A's rows read expert by expert (`[E, r,
     in]`), lora_B's columns rank by rank (`[out, r, E]`), multiplied per expert into the
     stack's own layout (`[E, out, in]`, or `[E, in, out]` when `transposed`); for a stack
-    stored one tensor per expert, that tensor's expert and rows only."""
+    stored one tensor per expert, that tensor's expert only (`[out, in]`)."""
     import torch
 
     experts = update.experts or 1
@@ -452,16 +485,14 @@ def _parameter_delta(
     per_a = a.reshape(experts, -1, a.shape[-1])
     per_b = b.reshape(b.shape[0], -1, experts)
     if update.expert is not None:
-        # one expert of a stack stored expert by expert: its own slice of the same batched
-        # product (each expert's is computed alone either way), then its rows
+        # one expert of a stack stored expert by expert: its own product, the values of its
+        # slice of the batched one (each batch of which is that same product; the tests hold
+        # the merge to peft's bit for bit), without computing every other expert's
         e = update.expert
-        per_a, per_b = per_a[e : e + 1], per_b[:, :, e : e + 1]
+        delta = per_b[:, :, e] @ per_a[e]
+        return (delta.T if update.transposed else delta) * scaling
     layout = "e i o" if update.transposed else "e o i"
-    delta = torch.einsum(f"o r e, e r i -> {layout}", per_b, per_a) * scaling
-    if update.expert is None:
-        return delta
-    lo, hi = update.rows or (0, delta.shape[1])
-    return delta[0, lo:hi]
+    return torch.einsum(f"o r e, e r i -> {layout}", per_b, per_a) * scaling
 
 
 #: input embeddings an output projection is tied to when a model saves no `lm_head.weight`
