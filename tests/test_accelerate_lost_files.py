@@ -9,7 +9,9 @@ file. `verify` must fail such a save, naming the file, `inspect` must call it no
 `latest` must never name it (a save whose rank 0 has not written its RNG states yet is still
 being written). Where the names cannot tell a lost file from one on another node's disk (a DDP
 save without rank 0's: node 1's folder of a `save_on_each_node` run), `verify` warns and the
-save is complete once settled, so `prune --incomplete` never deletes a node's own saves. The truth is accelerate's own `load_state` on 2 ranks
+save is complete once settled, so `prune --incomplete` never deletes a node's own saves; unless
+the run's save before it holds the file, which no node's folder does: then it was lost, as a
+lost highest rank's file is. The truth is accelerate's own `load_state` on 2 ranks
 (`tests/accelerate_fsdp_script.py`).
 
 The same holds for each prepared object's state: `save_state` numbers models, optimizers,
@@ -68,7 +70,7 @@ def _age(folder: Path, seconds: float = 3600) -> None:
         os.utime(path, (then, then))
 
 
-def test_a_ddp_save_without_rank_0s_rng_states_is_warned_of_and_never_pruned(
+def test_a_ddp_save_without_rank_0s_rng_states_is_warned_of_alone_and_fails_after_one_with_it(
     accelerate_ddp_save: Path, tmp_path: Path
 ) -> None:
     good = accelerate_ddp_save
@@ -103,27 +105,48 @@ def test_a_ddp_save_without_rank_0s_rng_states_is_warned_of_and_never_pruned(
     assert recut.exit_code == 0, recut.stdout
     assert any("random_states_0.pkl" in w for w in recut.json["result"]["warnings"])
 
-    # a run whose newest save is so: rank 0 still writing (or killed) after rank 1 wrote its
-    # RNG states; `latest` named it
+    # a run whose newest save is so, its save before holding rank 0's file: lost (or rank 0
+    # still writing, or killed) for certain, as a lost highest rank's file is; `latest` named
+    # it once settled, and `verify` only warned
     run = tmp_path / "run" / "checkpoints"
     shutil.copytree(good, run / "checkpoint_0")
     _age(run / "checkpoint_0")
     shutil.copytree(damaged, run / "checkpoint_1")
+    _age(run / "checkpoint_1", 1800)
+    found = _missing_rank_rng(run / "checkpoint_1")
+    assert [p["file"] for p in found] == [str(run / "checkpoint_1" / "random_states_0.pkl")]
+    assert "checkpoint_0" in found[0]["message"] and "rank 0" in found[0]["message"]
+    checked = run_ckpt("verify", run / "checkpoint_1", "--json").json["result"]["problems"]
+    assert [p["code"] for p in checked] == ["missing_rank_rng"], checked
     result = run_ckpt("latest", run.parent, "--json")
     assert result.exit_code == 0, result.stderr
     assert result.json["result"]["latest"] == str(run / "checkpoint_0")
     rows = {c["name"]: c for c in result.json["result"]["checkpoints"]}
+    assert rows["checkpoints/checkpoint_1"]["status"] == "incomplete"
+    assert "random_states_0.pkl" in rows["checkpoints/checkpoint_1"]["reason"]
+    refused = run_ckpt("convert", run / "checkpoint_1", tmp_path / "whole", "--to", "dcp")
+    assert refused.exit_code == 4 and "--filter-out 'rng_0*'" in refused.stderr
+
+    # one node's folder of a `save_on_each_node` run on node-local disks: its every save lacks
+    # rank 0's file. Recent, it may be still being written; settled, whole as far as its
+    # names tell, the doubt said; `prune --incomplete` keeps it
+    node = tmp_path / "node1" / "checkpoints"
+    shutil.copytree(damaged, node / "checkpoint_0")
+    _age(node / "checkpoint_0")
+    shutil.copytree(damaged, node / "checkpoint_1")
+    result = run_ckpt("latest", node.parent, "--json")
+    assert result.json["result"]["latest"] == str(node / "checkpoint_0"), result.stdout
+    rows = {c["name"]: c for c in result.json["result"]["checkpoints"]}
     assert rows["checkpoints/checkpoint_1"]["status"] == "writing"
     assert "random_states_0.pkl" in rows["checkpoints/checkpoint_1"]["reason"]
-    # settled: whole as far as its names tell (a node's own folder), the doubt said; `prune
-    # --incomplete` keeps it
-    _age(run / "checkpoint_1", 1800)
-    result = run_ckpt("latest", run.parent, "--json")
+    _age(node / "checkpoint_1", 1800)
+    assert run_ckpt("verify", node / "checkpoint_1").exit_code == 0
+    result = run_ckpt("latest", node.parent, "--json")
     rows = {c["name"]: c for c in result.json["result"]["checkpoints"]}
     assert rows["checkpoints/checkpoint_1"]["status"] == "complete"
     assert "another node's disk" in rows["checkpoints/checkpoint_1"]["reason"]
-    assert run_ckpt("prune", run.parent, "--incomplete", "--yes").exit_code == 0
-    assert (run / "checkpoint_1").is_dir() and (run / "checkpoint_0").is_dir()
+    assert run_ckpt("prune", node.parent, "--incomplete", "--yes").exit_code == 0
+    assert (node / "checkpoint_1").is_dir() and (node / "checkpoint_0").is_dir()
 
 
 def test_an_fsdp_save_without_rank_1s_rng_states_fails_verify(

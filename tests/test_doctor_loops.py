@@ -5,6 +5,8 @@ doctor's verdict to what the loop did. A clean resume of the same loop gets no f
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -463,6 +465,10 @@ def test_a_lost_rank_0_rng_file_is_named_and_not_taken_for_rank_0s_stream(tmp_pa
             if rank in kept:
                 # what the Trainer writes per process (`rng_state_{process_index}.pth`)
                 torch.save({"cpu": stream.get_state()}, folder / f"rng_state_{rank}.pth")
+    # saved an hour ago: a save that lost a file is incomplete, not one still being written
+    an_hour_ago = time.time() - 3600
+    for path in run.rglob("*"):
+        os.utime(path, (an_hour_ago, an_hour_ago))
     result = run_ckpt("doctor", run, "--json")
     assert result.exit_code == 1, result.stdout
     causes = result.json["result"]["causes"]

@@ -1197,3 +1197,73 @@ def test_a_trainer_save_whose_optimizer_file_is_garbage_is_never_the_latest(
     latest = run_ckpt_process("latest", out)
     assert latest.stdout == f"{out / 'checkpoint-100'}\n", latest.stderr
     assert run_ckpt("verify", out / "checkpoint-200").exit_code != 0  # the two agree
+
+
+def test_a_save_that_lost_rank_0s_rng_states_its_save_before_holds_is_no_latest(
+    tmp_path: Path,
+) -> None:
+    # a 2-process DDP `save_state` and a 2-process Trainer run: every process writes its own
+    # RNG file, rank 0 too, in every save. The newest save lost rank 0's (a careless `rm`, a
+    # copy cut short): its names alone look like node 1's folder of a `save_on_each_node` run
+    # on node-local disks, so `verify` only warned (rank_rng_elsewhere), `latest` named it once
+    # settled and `convert` wrote it. A run of any number of processes writes rank 0's file,
+    # and the save before holds it: lost, as a lost highest rank's file is
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    run = tmp_path / "run"
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
+    )
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    folders = [run / "checkpoints" / f"checkpoint_{i}" for i in range(3)]
+    for save in folders:
+        model(torch.randn(2, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.save_state()
+        # what process 1 of the run writes beside rank 0's files
+        shutil.copy(save / "random_states_0.pkl", save / "random_states_1.pkl")
+    (folders[-1] / "random_states_0.pkl").unlink()
+    trainer = tmp_path / "out"
+    for step in (100, 200, 300):
+        trainer_checkpoint(trainer / f"checkpoint-{step}", step)
+        rng = trainer / f"checkpoint-{step}" / "rng_state.pth"
+        for rank in range(2):
+            shutil.copy(rng, rng.with_name(f"rng_state_{rank}.pth"))
+        rng.unlink()
+    (trainer / "checkpoint-300" / "rng_state_0.pth").unlink()
+    for folder, lost, before, newest in (
+        (run, "random_states_0.pkl", folders[1], folders[2]),
+        (trainer, "rng_state_0.pth", trainer / "checkpoint-200", trainer / "checkpoint-300"),
+    ):
+        age(folder)
+        rows = {
+            Path(c["path"]): c
+            for c in run_ckpt("latest", folder, "--json").json["result"]["checkpoints"]
+        }
+        assert rows[newest]["status"] == "incomplete", rows[newest]
+        assert (
+            f"no {lost}, which the save before it ({before.relative_to(folder)}) holds"
+            in rows[newest]["reason"]
+        )
+        assert rows[before]["status"] == "complete"
+        assert run_ckpt("latest", folder).stdout.strip() == str(before)
+        result = run_ckpt("verify", newest, "--json")
+        assert result.exit_code == 1, result.stdout
+        problems = result.json["result"]["problems"]
+        # one problem for the file: the certain one, not the doubt
+        assert [(p["code"], p["file"]) for p in problems] == [
+            ("missing_rank_rng", str(newest / lost))
+        ], problems
+        assert before.name in problems[0]["message"] and "rank 0" in problems[0]["message"]
+        assert "fewer processes" not in problems[0]["fix"]  # a smaller run writes rank 0's too
+        refused = run_ckpt("convert", newest, tmp_path / f"{folder.name}-whole", "--to", "dcp")
+        assert refused.exit_code == 4, refused.stderr
+        assert "--filter-out 'rng_0*'" in refused.stderr
+        assert not (tmp_path / f"{folder.name}-whole").exists()
+    accelerator.load_state(str(folders[1]))  # the real reader resumes from the one `latest` names

@@ -853,34 +853,52 @@ def missing_rank_states(
 def ranks_lost_since(
     source: Source, folder: Folder, layout: Layout, older: str, older_names: set[str]
 ) -> list[Problem]:
-    """`missing_rank_rng` for each per-rank RNG file (`Layout.rank_files`) of a rank above the
-    highest this save's own files name (`saved_world`) that the run's save before it (`older`,
-    holding the files `older_names`) holds: a plain multi-process save (DDP) that lost its
-    highest rank's file looks like a smaller run's on its own, since neither accelerate nor
-    the Trainer records the number of processes. None when this save holds no per-rank file
-    (no RNG state at all: `verify --exact` says so). A run resumed with fewer processes has
-    its first save after the change so reported."""
+    """`missing_rank_rng` for each per-rank RNG file (`Layout.rank_files`) that the run's save
+    before this one (`older`, holding the files `older_names`) holds and this save's own files
+    leave in doubt:
+
+    - a rank above the highest this save's own files name (`saved_world`): a plain
+      multi-process save (DDP) that lost its highest rank's file looks like a smaller run's
+      on its own, since neither accelerate nor the Trainer records the number of processes;
+      a run resumed with fewer processes has its first save after the change so reported;
+    - a rank below the lowest here (rank 0's `random_states_0.pkl` beside rank 1's): every
+      process count has a rank 0, so a smaller run still writes it, and alone the save looks
+      like one node's folder of a `save_on_each_node` run on node-local disks
+      (`rank_rng_elsewhere`), whose save before it holds no other node's files either.
+
+    A rank between two here, or with its own data files here, is `missing_rank_states`' (lost
+    whatever the save before holds). `finish` keeps this problem, not the doubt, for the file.
+    None when this save holds no per-rank file (no RNG state at all: `verify --exact` says so).
+    """
     if layout.rank_files is None:
         return []
-    if not any(layout.rank_file_rank(name) is not None for name in folder.names):
+    have = {r for r in map(layout.rank_file_rank, folder.names) if r is not None}
+    if not have:
         return []
-    world = saved_world(source, folder, layout).world
+    saved = saved_world(source, folder, layout)
+    held = {r for r in map(layout.rank_file_rank, older_names) if r is not None}
     ranks = sorted(
-        r for r in map(layout.rank_file_rank, older_names) if r is not None and r >= world
+        r for r in held - have if r >= saved.world or (r < min(have) and r not in saved.with_data)
+    )
+    world = max(held | have) + 1
+    fewer = (
+        " If the run was resumed with fewer processes before this save, the save is whole "
+        "(nothing records the number of processes; the run's next save is judged against "
+        "this one)."
     )
     return [
         Problem(
             code="missing_rank_rng",
             message=f"is missing: rank {rank}'s RNG states, which the save before it "
-            f"({older}) holds: the run saved with {ranks[-1] + 1} processes, each its own; "
+            f"({older}) holds: the run saved with {world} processes, each its own; "
             f"{layout.name}'s loader restores none for the rank without it (it logs a line "
             "and goes on), so a resumed run silently draws other random numbers than the "
             "run it continues",
-            file=source.storage.describe(folder.rel(layout.rank_file_name(rank, ranks[-1] + 1))),
+            file=source.storage.describe(folder.rel(layout.rank_file_name(rank, world))),
             fix="Copy it again from where the run saved it, or use another checkpoint of the "
-            "run (`ckpt latest` names the newest whole one). If the run was resumed with "
-            "fewer processes before this save, the save is whole (nothing records the number "
-            "of processes; the run's next save is judged against this one).",
+            "run (`ckpt latest` names the newest whole one)."
+            # a run of any number of processes has a rank 0: only a rank above can be gone
+            + (fewer if rank >= saved.world else ""),
         )
         for rank in ranks
     ]
@@ -891,6 +909,12 @@ def finish(
 ) -> OpenedSource:
     if folder is not None:
         state.unreadable = dict(folder.unreadable)
+        # a rank's RNG file the save before held (`ranks_lost_since`) was lost, not perhaps on
+        # another node's disk: one problem for the file, the certain one
+        certain = {p.file for p in folder.problems if p.code == "missing_rank_rng"}
+        folder.problems = [
+            p for p in folder.problems if not (p.code == "rank_rng_elsewhere" and p.file in certain)
+        ]
     verdict(state)
     lost = [p.file for p in folder.problems if p.code == "missing_rank_file"] if folder else []
     if lost:

@@ -525,31 +525,36 @@ def _ranks_dropped_since(
     layout: Layout, folder: Folder, before: tuple[str, frozenset[str]] | None
 ) -> Unfinished | None:
     """A save lacking per-rank files (`Layout.rank_files`: accelerate's `random_states_{r}.pkl`)
-    of ranks above the highest its own files name, which the run's save before it holds: a
-    plain multi-process save (DDP) that lost its highest rank's RNG states looks like a
-    smaller run's on its own (nothing in it records the world size), but the run saved with
-    more processes. Ranks below are `composite.missing_rank_states`' to judge. A save with
-    none of its own is `_unfinished`'s (no `last_file`)."""
-    from ..layouts.composite import saved_world
+    which the run's save before it holds, of ranks its own files leave in doubt
+    (`composite.ranks_lost_since`): above the highest its files name (a plain multi-process
+    save that lost its highest rank's RNG states looks like a smaller run's on its own:
+    nothing in it records the world size), or below the lowest (rank 0's: a run of any size
+    writes it; alone, the save looks like one node's folder on node-local disks, whose save
+    before holds no other node's files either). Ranks its files say are lost for certain
+    are `missing_rank_states`'. A save with none of its own is `_unfinished`'s."""
+    from ..layouts.composite import ranks_lost_since, saved_world
 
-    if layout.rank_files is None or before is None:
+    if before is None:
         return None
-    have = {r for r in map(layout.rank_file_rank, folder.names) if r is not None}
-    if not have:
-        return None
-    world = saved_world(folder.source, folder, layout).world
     older, names = before
-    ranks = sorted(r for r in map(layout.rank_file_rank, names) if r is not None and r >= world)
-    if not ranks:
+    lost = ranks_lost_since(folder.source, folder, layout, older, set(names))
+    if not lost:
         return None
-    lacking = ", ".join(layout.rank_file_name(r, ranks[-1] + 1) for r in ranks)
+    files = [p.file.rsplit("/", 1)[-1] for p in lost if p.file]
+    # a rank above every one this save's files name: a run resumed with fewer processes
+    world = saved_world(folder.source, folder, layout).world
+    fewer = any((layout.rank_file_rank(name) or 0) >= world for name in files)
     return Unfinished(
-        f"no {lacking}, which the save before it ({older}) holds: every process of a "
-        f"multi-process {layout.name} save writes its own RNG states, and this run saved with "
-        f"{ranks[-1] + 1} processes, so the save has not finished or a rank's file was lost "
-        f"(its loader goes on without it: a resumed run silently draws other random numbers); "
-        "only a run resumed with fewer processes before this save makes it whole, which "
-        "nothing in the files records"
+        f"no {', '.join(files)}, which the save before it ({older}) holds: every process of "
+        f"a multi-process {layout.name} save writes its own RNG states, so the save has not "
+        "finished or a rank's file was lost (its loader goes on without it: a resumed run "
+        "silently draws other random numbers)"
+        + (
+            "; only a run resumed with fewer processes before this save makes it whole, "
+            "which nothing in the files records"
+            if fewer
+            else ""
+        )
     )
 
 
@@ -581,13 +586,13 @@ def _unfinished(
     files (accelerate's `random_states_{r}.pkl`, one per process) are fewer than its own
     files say processes saved it (`composite.missing_rank_states`) is unfinished too, and in
     any layout with per-rank files (the Trainer's `rng_state_{r}.pth` too) one lacking a rank
-    above its own highest that the save before it holds (`_ranks_dropped_since`)."""
+    above its own highest, or rank 0, that the save before it holds (`_ranks_dropped_since`)."""
     from ..layouts.composite import missing_rank_states
 
     lost = missing_rank_states(folder.source, folder, layout)
     if not any(p.severity == "error" for p in lost):
-        # a rank above every rank this save's files name (a DDP save's highest): the save
-        # before it says how many processes the run has
+        # a rank above every rank this save's files name (a DDP save's highest), or rank 0's
+        # beside another's: the save before it says how many processes the run has
         dropped = _ranks_dropped_since(layout, folder, before)
         if dropped is not None:
             return dropped
