@@ -1267,3 +1267,33 @@ def test_a_save_that_lost_rank_0s_rng_states_its_save_before_holds_is_no_latest(
         assert "--filter-out 'rng_0*'" in refused.stderr
         assert not (tmp_path / f"{folder.name}-whole").exists()
     accelerator.load_state(str(folders[1]))  # the real reader resumes from the one `latest` names
+
+
+@pytest.mark.parametrize("ranks", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+def test_a_trainer_run_resumed_on_another_number_of_processes_keeps_its_newest_save(
+    tmp_path: Path, ranks: tuple[int, int]
+) -> None:
+    # a Trainer run saved on 2 processes (rng_state_0.pth, rng_state_1.pth in each
+    # checkpoint-N), stopped, and resumed on 1 (rng_state.pth, which the Trainer writes only
+    # when it runs on one process), or the other way round. `latest` called the newest save
+    # incomplete ("lacks rng_state_*.pth, which every other save of this run has", or "lacks
+    # rng_state.pth") and named the one before it; `verify` of the 1-process save failed it
+    # (missing_rank_rng for rng_state_1.pth). Its names say how many processes saved it
+    out = tmp_path / "out"
+    for step, world in ((100, ranks[0]), (200, ranks[0]), (300, ranks[1])):
+        trainer_checkpoint(out / f"checkpoint-{step}", step)
+        rng = out / f"checkpoint-{step}" / "rng_state.pth"
+        if world > 1:
+            for rank in range(world):
+                shutil.copy(rng, rng.with_name(f"rng_state_{rank}.pth"))
+            rng.unlink()
+    age(out)
+    rows = table(out)
+    assert [rows[f"checkpoint-{s}"]["status"] for s in (100, 200, 300)] == ["complete"] * 3, rows
+    assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-300")
+    checked = run_ckpt("verify", out / "checkpoint-300", "--json")
+    assert checked.exit_code == 0, checked.stdout
+    assert checked.json["result"]["problems"] == []
+    pruned = run_ckpt("prune", out, "--incomplete", "--yes")
+    assert pruned.exit_code == 0, pruned.stderr
+    assert all((out / f"checkpoint-{s}").is_dir() for s in (100, 200, 300))

@@ -868,13 +868,21 @@ def ranks_lost_since(
 
     A rank between two here, or with its own data files here, is `missing_rank_states`' (lost
     whatever the save before holds). `finish` keeps this problem, not the doubt, for the file.
-    None when this save holds no per-rank file (no RNG state at all: `verify --exact` says so).
+    None when this save holds no per-rank file (no RNG state at all: `verify --exact` says so),
+    or only the one a framework names so at one process only (the Trainer's `rng_state.pth`:
+    a run resumed on one process).
     """
     if layout.rank_files is None:
         return []
-    have = {r for r in map(layout.rank_file_rank, folder.names) if r is not None}
-    if not have:
+    own = {name for name in folder.names if layout.rank_file_rank(name) is not None}
+    if not own:
         return []
+    alone = layout.rank_file_name(0, 1)
+    if own == {alone} and alone != layout.rank_file_name(0, 2):
+        # named as only a one-process save names it (the Trainer's `rng_state.pth`): a run
+        # resumed on one process, whole whatever the save before holds
+        return []
+    have = {r for r in map(layout.rank_file_rank, own) if r is not None}
     saved = saved_world(source, folder, layout)
     held = {r for r in map(layout.rank_file_rank, older_names) if r is not None}
     ranks = sorted(

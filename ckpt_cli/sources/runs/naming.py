@@ -377,6 +377,11 @@ COMPARED = (*UNMARKED, "hf-trainer")
 TRAINER_WEIGHTS = "model weights"
 #: the names the Trainer saves a model's (or an adapter's) weights under, whole or in shards
 _TRAINER_WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)[.-]")
+#: what `part_names` calls a Trainer folder's RNG states, however many processes saved it
+TRAINER_RNG = "RNG states"
+#: the Trainer's RNG files: `rng_state.pth` from one process, `rng_state_{rank}.pth` from each
+#: of several (a run resumed on another number of processes switches between them)
+_TRAINER_RNG_FILE = re.compile(r"rng_state(?:_\d+)?\.pth")
 
 
 _DIGITS = re.compile(r"\d+")
@@ -398,7 +403,9 @@ def part_names(files: Mapping[str, int], folder: str, layout: str | None = None)
     `random_states_3.pkl`, whose count follows the number of processes; `model_*.safetensors`
     for a second model's): a save cut short before accelerate's last file, its RNG states,
     lacks a name the others have. In a Trainer folder, its weight files, one `model.safetensors` or
-    shards with their index, safetensors or `.bin`, are one part: `TRAINER_WEIGHTS`.
+    shards with their index, safetensors or `.bin`, are one part: `TRAINER_WEIGHTS`; its RNG
+    states, `rng_state.pth` of a one-process save or `rng_state_{rank}.pth` of a multi-process
+    one, another: `TRAINER_RNG` (a run resumed on another number of processes is whole).
 
     ckpt's own checksum manifest is not a part: `verify --write-manifest` and a pull add it
     to some saves after they were made, and a run resumed on a pulled folder writes its new
@@ -411,4 +418,6 @@ def part_names(files: Mapping[str, int], folder: str, layout: str | None = None)
             _DIGITS.sub("*", n) for n in names if "/" not in n and _TRAINER_WEIGHT_FILE.match(n)
         }
         parts = (parts - weights) | ({TRAINER_WEIGHTS} if weights else set())
+        rng = {_DIGITS.sub("*", n) for n in names if _TRAINER_RNG_FILE.fullmatch(n)}
+        parts = (parts - rng) | ({TRAINER_RNG} if rng else set())
     return parts
