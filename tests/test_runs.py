@@ -1297,3 +1297,51 @@ def test_a_trainer_run_resumed_on_another_number_of_processes_keeps_its_newest_s
     pruned = run_ckpt("prune", out, "--incomplete", "--yes")
     assert pruned.exit_code == 0, pruned.stderr
     assert all((out / f"checkpoint-{s}").is_dir() for s in (100, 200, 300))
+
+
+def test_verify_of_an_accelerate_save_that_lost_every_ranks_rng_states_fails(
+    tmp_path: Path,
+) -> None:
+    # a 2-process DDP `save_state` writes random_states_0.pkl and random_states_1.pkl at every
+    # save, last. The newest save lost both (a copy that skipped `*.pkl`, a cut-short save):
+    # `latest` calls it incomplete, but `verify` of the save said OK and `convert` wrote it
+    # without a word, while accelerate's load_state goes on without them ("Could not load
+    # random states"), so the resumed run draws other random numbers. The save before holds
+    # them: lost
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    run = tmp_path / "run"
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
+    )
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    folders = [run / "checkpoints" / f"checkpoint_{i}" for i in range(2)]
+    for save in folders:
+        model(torch.randn(2, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.save_state()
+        # what process 1 of the run writes beside rank 0's files
+        shutil.copy(save / "random_states_0.pkl", save / "random_states_1.pkl")
+    for lost in folders[1].glob("random_states_*.pkl"):
+        lost.unlink()
+    accelerator.load_state(str(folders[1]))  # the real reader goes on without them
+    age(run)
+    assert run_ckpt("latest", run).stdout.strip() == str(folders[0])
+
+    result = run_ckpt("verify", folders[1], "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = result.json["result"]["problems"]
+    found = {p["file"]: p for p in problems if p["code"] == "missing_rank_rng"}
+    assert sorted(found) == [str(folders[1] / f"random_states_{r}.pkl") for r in (0, 1)], problems
+    assert all(folders[0].name in p["message"] for p in found.values())
+    refused = run_ckpt("convert", folders[1], tmp_path / "whole", "--to", "dcp")
+    assert refused.exit_code == 4 and "random_states_0.pkl" in refused.stderr, refused.stderr
+    assert not (tmp_path / "whole").exists()
+    # the first save has no save before it: nothing to compare, OK as before
+    assert run_ckpt("verify", folders[0]).exit_code == 0

@@ -178,8 +178,9 @@ def _lost_since_save_before(source: Source, folder: Folder, layout: Layout) -> l
     """Files the run's save before this one holds (`_save_before`) that accelerate writes at
     every save and this one lacks, which nothing in this save says were written: a registered
     object's `custom_checkpoint_{i}.pkl` (load_state refuses a save with fewer than the
-    objects registered) and the RNG states of a rank above the highest this save's own files
-    name (a DDP save that lost its highest rank's file looks like a smaller run's). The run
+    objects registered), the RNG states of a rank above the highest this save's own files
+    name (a DDP save that lost its highest rank's file looks like a smaller run's) or below
+    the lowest (rank 0's), and every process's when this save holds none. The run
     judge compares a save with the one before it the same way (`runs.judge`). A script that
     registers fewer objects, or a run resumed with fewer processes, has its first save after
     the change so reported."""
@@ -212,7 +213,43 @@ def _lost_since_save_before(source: Source, folder: Folder, layout: Layout) -> l
                 )
             )
     problems.extend(ranks_lost_since(source, folder, layout, before.name, names))
+    problems.extend(_rng_lost_since(source, folder, layout, before.name, names))
     return problems
+
+
+def _rng_lost_since(
+    source: Source, folder: Folder, layout: Layout, older: str, older_names: set[str]
+) -> list[Problem]:
+    """`missing_rank_rng` for each process's `random_states_{r}.pkl` the run's save before
+    this one (`older`, holding `older_names`) holds when this save holds none: `save_state`
+    writes them at every save, last (`Layout.last_file`), so the save stopped before them or
+    lost them, and `load_state` goes on without them (it logs "Could not load random
+    states"). A save with some of them is `ranks_lost_since`' to judge; one `ckpt prune
+    --slim-older-than` slimmed dropped them on purpose."""
+    from ..runs import SLIM_RECORD
+
+    if layout.rank_files is None or folder.has(SLIM_RECORD):
+        return []
+    if any(layout.rank_file_rank(name) is not None for name in folder.names):
+        return []
+    ranks = sorted({r for r in map(layout.rank_file_rank, older_names) if r is not None})
+    if not ranks:
+        return []
+    world = ranks[-1] + 1
+    return [
+        Problem(
+            code="missing_rank_rng",
+            message=f"is missing: rank {rank}'s RNG states, which the save before it ({older}) "
+            f"holds, as this save holds no process's: {layout.name} writes every process's "
+            "at every save, last, so the save stopped before them or lost them since; its "
+            "loader goes on without them (it logs a line), so a resumed run silently draws "
+            "other random numbers (dropout, sampling) than the run it continues",
+            file=source.storage.describe(folder.rel(layout.rank_file_name(rank, world))),
+            fix="Copy it again from where the run saved it, or use another checkpoint of the "
+            "run (`ckpt latest` names the newest whole one).",
+        )
+        for rank in ranks
+    ]
 
 
 def _optimizers(folder: Folder) -> bool:
