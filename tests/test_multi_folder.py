@@ -517,7 +517,7 @@ def test_a_pipeline_reshard_names_the_variants_it_leaves_out(
     result = run_ckpt("reshard", pipeline, out, "--max-shard-size", "40KB", "--json")
     assert result.exit_code == 0, result.stdout
     report = result.json["result"]
-    skipped = {s["path"]: s["reason"] for s in report["skipped"]}
+    skipped = {s["name"]: s["reason"] for s in report["skipped"]}
     assert "fp16 variant" in skipped["unet/diffusion_pytorch_model.fp16.safetensors"]
     assert {"model_index.json", "unet/config.json", "vqvae/config.json"} <= set(report["extras"])
     human = run_ckpt("reshard", pipeline, tmp_path / "again", "--max-shard-size", "40KB")

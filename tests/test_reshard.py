@@ -712,9 +712,7 @@ def test_reshard_names_every_file_it_does_not_write_and_never_carries_the_source
         assert result.exit_code == 0, result.stdout
         out = Path(command[2])
         assert not (out / "ckpt-manifest.json").exists()
-        skipped = {
-            s.get("path", s.get("name")): s["reason"] for s in result.json["result"]["skipped"]
-        }
+        skipped = {s["name"]: s["reason"] for s in result.json["result"]["skipped"]}
         assert {"pytorch_model.bin", "original/consolidated.00.pth", "ckpt-manifest.json"} <= set(
             skipped
         ), skipped
@@ -846,7 +844,8 @@ def test_a_world_size_reshard_says_why_the_sources_checksum_manifest_is_not_copi
     assert result.exit_code == 0, result.stdout + result.stderr
     report = result.json["result"]
     (skipped,) = report["skipped"]
-    assert skipped["path"] == "ckpt-manifest.json" and "checksum manifest" in skipped["reason"]
+    assert skipped["name"] == "ckpt-manifest.json" and "checksum manifest" in skipped["reason"]
+    assert skipped["kind"] == "file"
     assert report["extras"] == ["notes.txt"]
     assert sorted(p.name for p in out.iterdir()) == [
         ".metadata",
@@ -856,6 +855,33 @@ def test_a_world_size_reshard_says_why_the_sources_checksum_manifest_is_not_copi
     ]
     text = run_ckpt("reshard", src, tmp_path / "out2", "--world-size", "2")
     assert "ckpt-manifest.json" in text.stdout + text.stderr
+
+
+def test_reshard_says_what_is_not_in_the_output_where_and_as_convert_and_merge_do(
+    tmp_path: Path,
+) -> None:
+    """`reshard` printed "skipped X: why" on stdout, among the data a script reads, while
+    `convert` and `merge` name what the output lacks on stderr under "not in the output:",
+    and its JSON said `path` where theirs say `name` and `kind`. One story, told one way."""
+    src = tmp_path / "model"
+    src.mkdir()
+    state = {f"layers.{i}.weight": torch.full((64, 16), float(i)) for i in range(4)}
+    save_torch_state_dict(state, str(src))
+    torch.save(state, src / "pytorch_model.bin")
+    reports = {}
+    for command, out in (
+        ("reshard", [src, tmp_path / "resharded", "--max-shard-size", "5KB"]),
+        ("convert", [src, tmp_path / "converted", "--to", "dcp"]),
+    ):
+        text = run_ckpt(command, *out)
+        assert text.exit_code == 0, text.stderr
+        assert "pytorch_model.bin" not in text.stdout, text.stdout
+        assert "not in the output: pytorch_model.bin: " in text.stderr, text.stderr
+        result = run_ckpt(command, out[0], tmp_path / f"{command}-json", *out[2:], "--json")
+        assert result.exit_code == 0, result.stderr
+        reports[command] = {s["name"]: s for s in result.json["result"]["skipped"]}
+    assert reports["reshard"]["pytorch_model.bin"] == reports["convert"]["pytorch_model.bin"]
+    assert reports["reshard"]["pytorch_model.bin"]["kind"] == "file"
 
 
 def test_a_model_that_fits_one_shard_is_reported_as_one_file_and_one_tensor(

@@ -332,7 +332,7 @@ def test_trainer_fsdp_reshard_dry_run_and_hidden_files(
     result = run_ckpt("reshard", src, out, "--world-size", "3", "--rank-state", "drop", "--json")
     assert result.exit_code == 0, result.stderr
     skipped = result.json["result"]["skipped"]
-    assert [s["path"] for s in skipped] == [".notes"]
+    assert [s["name"] for s in skipped] == [".notes"]
     assert "hidden" in skipped[0]["reason"]
     assert not (out / ".notes").exists()
     assert "config.json" in result.json["result"]["carried"]
@@ -349,9 +349,9 @@ def test_trainer_fsdp_reshard_dry_run_and_hidden_files(
         "--json",
     )
     assert bare.exit_code == 0, bare.stderr
-    assert {"path": "config.json", "reason": "left out (--no-extras)"} in bare.json["result"][
-        "skipped"
-    ]
+    assert {"name": "config.json", "kind": "file", "reason": "left out (--no-extras)"} in bare.json[
+        "result"
+    ]["skipped"]
     assert not (tmp_path / "bare" / "config.json").exists()
     # ckpt reads the output as the Trainer checkpoint it is: resumable, and without any
     # rank's RNG states, which the Trainer saves with the FSDP optimizer state, so `verify`

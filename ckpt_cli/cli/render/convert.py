@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from ...ops.convert.run import ConvertReport
-from ...ops.shared.transfer import SkippedEntry
-from . import human_bytes, stderr, stdout
+from . import human_bytes, stdout
+from .left_out import render_not_in_output
 from .ranks import render_ranks
-
-#: skipped entries listed by name before the rest are counted
-MAX_LISTED = 8
 
 
 def render_convert(report: ConvertReport) -> None:
@@ -72,40 +69,7 @@ def render_convert(report: ConvertReport) -> None:
         else:
             note = "each name written"
         stdout.print(f"  tied: {', '.join(group)} share storage ({note})", highlight=False)
-    render_skipped(report)
-
-
-def render_skipped(report: ConvertReport) -> None:
-    """What the output does not hold, on stderr: each file, then the entries by reason (a dry
-    run says the same as the run it plans)."""
-    left = [s for s in report.skipped if s.kind == "file"]
-    for item in left[:MAX_LISTED]:
-        stderr.print(f"[yellow]not in the output:[/] {item.name}: {item.reason}", highlight=False)
-    if len(left) > MAX_LISTED:
-        stderr.print(f"[yellow]… {len(left) - MAX_LISTED} more files not in the output[/]")
-    by_reason: dict[str, list[SkippedEntry]] = {}
-    for skipped in report.skipped:
-        if skipped.kind != "file":
-            by_reason.setdefault(skipped.reason, []).append(skipped)
-    for reason, entries in by_reason.items():
-        # one line a reason, grouped by parent so 50 optimizer hyper-parameters read as one
-        # line; a group of one is named in full
-        groups: dict[str, list[str]] = {}
-        for entry in entries:
-            parent = entry.name.rsplit(".", 1)[0] if "." in entry.name else entry.name
-            groups.setdefault(parent, []).append(entry.name)
-        listed = [f"{name}.* ({len(n)})" if len(n) > 1 else n[0] for name, n in groups.items()]
-        more = f", … {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
-        kinds = {e.kind for e in entries}
-        noun = (
-            "tensor" if kinds == {"tensor"} else "component" if kinds == {"component"} else "entry"
-        )
-        what = noun if len(entries) == 1 else "entries" if noun == "entry" else f"{noun}s"
-        stderr.print(
-            f"[yellow]skipped {len(entries)} {what}[/] "
-            f"({reason}): {', '.join(listed[:MAX_LISTED])}{more}",
-            highlight=False,
-        )
+    render_not_in_output(report.skipped)
 
 
 def render_plan(report: ConvertReport) -> None:
@@ -132,7 +96,7 @@ def render_plan(report: ConvertReport) -> None:
             markup=False,
         )
     stdout.print("  nothing was written (--dry-run)")
-    render_skipped(report)
+    render_not_in_output(report.skipped)
 
 
 def render_architecture(report: ConvertReport) -> None:

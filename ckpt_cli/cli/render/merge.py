@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from ...ops.merge import MergeReport
 from ...sizes import counted
-from . import human_bytes, stderr, stdout
-
-#: files not in the output named one by one; past that, counted
-MAX_LISTED = 8
+from . import human_bytes, stdout
+from .left_out import render_not_in_output
 
 
 def render_merge(report: MergeReport) -> None:
@@ -47,8 +45,4 @@ def render_merge(report: MergeReport) -> None:
             shown = human_bytes(f.size) if f.size is not None else "size decided when written"
             stdout.print(f"  file  {f.path}  {shown}  ({f.entries} entries)", markup=False)
         stdout.print("  nothing was written (--dry-run)")
-    left = report.skipped
-    for item in left[:MAX_LISTED]:
-        stderr.print(f"[yellow]not in the output:[/] {item.name}: {item.reason}", highlight=False)
-    if len(left) > MAX_LISTED:
-        stderr.print(f"[yellow]… {len(left) - MAX_LISTED} more files not in the output[/]")
+    render_not_in_output(report.skipped)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ...ops.reshard.run import ReshardReport
 from ...sizes import counted
 from . import human_bytes, stderr, stdout
+from .left_out import render_not_in_output
 from .ranks import render_ranks
 
 _ACTIONS = {
@@ -81,8 +82,6 @@ def render_reshard(report: ReshardReport) -> None:
         stdout.print(
             f"  per-rank file {item.path} (rank {item.rank}): {done}", highlight=False, markup=False
         )
-    for skip in report.skipped:
-        stdout.print(f"  skipped {skip.path}: {skip.reason}", highlight=False, markup=False)
     if report.extras:
         stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)
     # the report's `warnings` go to stderr from `run_command`, as for every command
@@ -114,6 +113,7 @@ def render_reshard(report: ReshardReport) -> None:
             size_text = human_bytes(f.size) if f.size is not None else "size decided when written"
             stdout.print(f"  file  {f.path}  {size_text}  ({f.entries} entries)", markup=False)
         stdout.print("  nothing was written (--dry-run)")
-        return
-    stdout.print("  [green]verified[/] before publishing" if report.verified else "")
-    render_ranks(report.ranks)
+    else:
+        stdout.print("  [green]verified[/] before publishing" if report.verified else "")
+        render_ranks(report.ranks)
+    render_not_in_output(report.skipped)

@@ -34,6 +34,7 @@ from ...storage import safe_relpath
 from ...storage.output import check_destination
 from ..convert.plan import guard_paths, local_dest
 from ..shared.selection import refuse_lost_files
+from ..shared.transfer import SkippedEntry
 from .rank_files import copy_verbatim, missing_rank_files, rank_file_plan
 from .report import (
     RankFile,
@@ -41,7 +42,6 @@ from .report import (
     RankStateEntry,
     ReshardedPart,
     ReshardReport,
-    SkippedFile,
 )
 from .request import ReshardRequest
 from .world import (
@@ -169,7 +169,7 @@ def reshard_folder(
 
             left_out = set(extra_files(opened.checkpoint))
             skipped += [
-                SkippedFile(path=r, reason="left out (--no-extras)")
+                SkippedEntry(name=r, kind="file", reason="left out (--no-extras)")
                 for r in carried
                 if r in left_out
             ]
@@ -294,18 +294,20 @@ def _prefixed(cut: DcpCut) -> list[RankStateEntry]:
 
 def _carried(
     source: Source, subfolders: list[str], rank_files: dict[str, int]
-) -> tuple[list[str], list[SkippedFile]]:
+) -> tuple[list[str], list[SkippedEntry]]:
     """(files copied verbatim, files left out with why): everything outside the DCP
     sub-folders but the per-rank files (their own policy) and hidden files."""
     carried: list[str] = []
-    skipped: list[SkippedFile] = []
+    skipped: list[SkippedEntry] = []
     inside = tuple(f"{sub}/" for sub in subfolders)
     for rel in sorted(source.files):
         if rel.startswith(inside) or rel in rank_files:
             continue
         if any(part.startswith(".") for part in rel.split("/")):
             skipped.append(
-                SkippedFile(path=rel, reason="a hidden file: not part of the training state")
+                SkippedEntry(
+                    name=rel, kind="file", reason="a hidden file: not part of the training state"
+                )
             )
         else:
             carried.append(rel)

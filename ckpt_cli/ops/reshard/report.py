@@ -9,6 +9,7 @@ from pydantic import Field
 
 from ...dist.command import RankShare
 from ...models import FileInfo, Record
+from ..shared.transfer import SkippedEntry
 
 #: what happens to per-rank state (RNG streams, data-loader positions) in a world-size reshard:
 #: `carry` (same world size), `keep` (as saved), `drop` (left out), `replicate` (each new rank
@@ -66,13 +67,6 @@ class ReshardedPart(Record):
     tensors: int = 0
     objects: int = 0
     tensor_bytes: int = 0
-
-
-class SkippedFile(Record):
-    """A source file a reshard did not write, and why (nothing vanishes silently)."""
-
-    path: str
-    reason: str
 
 
 class ResumeVerdict(Record):
@@ -153,7 +147,7 @@ class ReshardReport(Record):
     layout: str | None = None
     parts: list[ReshardedPart] = Field(default_factory=list)
     rank_files: list[RankFile] = Field(default_factory=list)
-    skipped: list[SkippedFile] = Field(default_factory=list)
+    skipped: list[SkippedEntry] = Field(default_factory=list)
     resume: ResumeVerdict | None = None
     verified: bool = False
     ranks: list[RankShare] = Field(default_factory=list)

@@ -49,9 +49,15 @@ from ...sources.runs.records import is_checksum_manifest
 from ...storage.output import Destination, check_destination
 from ..convert.plan import check_one_file_naming, guard_paths, local_dest, planned_files
 from ..shared.selection import lost_file_warnings, refuse_lost_files
-from ..shared.transfer import TransferPlan, account_files, plan_transfer, write_checkpoint
+from ..shared.transfer import (
+    SkippedEntry,
+    TransferPlan,
+    account_files,
+    plan_transfer,
+    write_checkpoint,
+)
 from .folder import reshard_folder
-from .report import RankStateAction, RankStateEntry, ReshardReport, SkippedFile
+from .report import RankStateAction, RankStateEntry, ReshardReport
 from .request import ReshardRequest
 from .world import (
     RANK_STATE_CHOICES,
@@ -246,7 +252,7 @@ def _skipped_files(
     copied: list[str],
     left_out: list[str],
     opened: OpenedSource | None,
-) -> list[SkippedFile]:
+) -> list[SkippedEntry]:
     """Every file of the source neither resharded nor copied, with why (`account_files`, as
     `convert` reports them): a second adapter in a subfolder, a `.bin` beside the
     `.safetensors`, the source's checksum manifest. They used to vanish without a line."""
@@ -254,9 +260,9 @@ def _skipped_files(
     _, skipped = account_files(
         checkpoint, plan, [*copied, *left_out], single_file=False, listed=listed
     )
-    return [SkippedFile(path=r, reason="left out (--no-extras)") for r in left_out] + [
-        SkippedFile(path=s.name, reason=s.reason) for s in skipped
-    ]
+    return [
+        SkippedEntry(name=r, kind="file", reason="left out (--no-extras)") for r in left_out
+    ] + [s for s in skipped]
 
 
 def _weights_source(source: Source, opened: OpenedSource | None) -> Source:
@@ -492,12 +498,12 @@ def _reshard_components(
     # each component's own accounting, named from the root: a variant beside the default
     # weights (`unet/diffusion_pytorch_model.fp16.safetensors`) is not written, and says so
     written = [c for c in components if c.weights is not None]
-    skipped: list[SkippedFile] = []
+    skipped: list[SkippedEntry] = []
     extras: list[str] = []
     own: set[str] = set()
     for comp, report in zip(written, reports, strict=True):
         base = f"{comp.path}/" if comp.path else ""
-        skipped += [s.model_copy(update={"path": f"{base}{s.path}"}) for s in report.skipped]
+        skipped += [s.model_copy(update={"name": f"{base}{s.name}"}) for s in report.skipped]
         extras += [f"{base}{e}" for e in report.extras]
         own.update(f"{base}{f.path}" for f in report.files)
     # and the files copied beside them (`model_index.json`, schedulers, tokenizers...)

@@ -55,6 +55,7 @@ from ..convert.plan import NO_COMPRESSION, guard_paths, local_dest, output_warni
 from ..shared.megatron import keep_megatron_layout
 from ..shared.transfer import (
     Item,
+    SkippedEntry,
     TransferPlan,
     account_files,
     check_source_unchanged,
@@ -68,7 +69,6 @@ from .report import (
     RankStateEntry,
     ReshardReport,
     ResumeVerdict,
-    SkippedFile,
 )
 from .request import ReshardRequest
 
@@ -664,14 +664,14 @@ def _unused_rules(rules: list[Rule], manifest: Manifest) -> list[str]:
 
 def _skipped_files(
     checkpoint: Checkpoint, carried: list[str], left_out: list[str]
-) -> list[SkippedFile]:
+) -> list[SkippedEntry]:
     """The source's files neither re-cut nor copied, with why (`account_files`, as `convert`
     reports them): its checksum manifest, a file in a subfolder... They used to vanish."""
     plan = TransferPlan(items=[Item(e, e) for e in checkpoint.manifest.entries])
     _, skipped = account_files(checkpoint, plan, [*carried, *left_out], single_file=False)
-    return [SkippedFile(path=r, reason="left out (--no-extras)") for r in left_out] + [
-        SkippedFile(path=s.name, reason=s.reason) for s in skipped
-    ]
+    return [
+        SkippedEntry(name=r, kind="file", reason="left out (--no-extras)") for r in left_out
+    ] + [s for s in skipped]
 
 
 def planned_rank_files(fmt: type[Format], plan: list[Entry], world_size: int) -> list[FileInfo]:

@@ -66,8 +66,9 @@ from ...sources.layouts.base import Layout, OpenedSource
 from ...storage import safe_relpath
 from ...storage.output import check_destination, staged_output
 from ..convert.plan import guard_paths, local_dest
+from ..shared.transfer import SkippedEntry
 from .rank_files import copy_verbatim, missing_rank_files, rank_file_plan
-from .report import RankStateChoice, ReshardedPart, ReshardReport, SkippedFile
+from .report import RankStateChoice, ReshardedPart, ReshardReport
 from .request import ReshardRequest
 from .world import check_world_options, rank_state_choice, resume_verdict
 
@@ -210,7 +211,9 @@ def reshard_zero(
 
         left_out = set(extra_files(opened.checkpoint))
         skipped += [
-            SkippedFile(path=r, reason="left out (--no-extras)") for r in carried if r in left_out
+            SkippedEntry(name=r, kind="file", reason="left out (--no-extras)")
+            for r in carried
+            if r in left_out
         ]
         carried = [r for r in carried if r not in left_out]
     plans = _plan(save, world_size)
@@ -894,25 +897,28 @@ def _set_world_size(data: bytes, world_size: int, where: str) -> bytes:
 
 def _carried(
     source: Source, save: ZeroSave, rank_files: dict[str, int]
-) -> tuple[list[str], list[SkippedFile]]:
+) -> tuple[list[str], list[SkippedEntry]]:
     """(files copied verbatim, files left out with why): everything but the ZeRO files the
     re-cut writes anew, the per-rank files (their own policy), other tags of a run folder, and
     hidden files."""
     own = {f"{save.base}{n}" for n in (*save.optim_names.values(), *save.model_names.values())}
     own |= set(rank_files)
     carried: list[str] = []
-    skipped: list[SkippedFile] = []
+    skipped: list[SkippedEntry] = []
     for rel in sorted(source.files):
         if rel in own:
             continue
         if any(part.startswith(".") for part in rel.split("/")):
             skipped.append(
-                SkippedFile(path=rel, reason="a hidden file: not part of the training state")
+                SkippedEntry(
+                    name=rel, kind="file", reason="a hidden file: not part of the training state"
+                )
             )
         elif "/" in rel and save.base and not rel.startswith(save.base):
             skipped.append(
-                SkippedFile(
-                    path=rel,
+                SkippedEntry(
+                    name=rel,
+                    kind="file",
                     reason=f"another checkpoint of the run (`latest` names {save.base.rstrip('/')}): "
                     "reshard it on its own",
                 )

@@ -1,0 +1,46 @@
+"""What an output does not hold, said one way by every command that writes one (`convert`,
+`reshard`, `merge`): on stderr, each file under "not in the output:", then the entries left out
+by reason; never among the data on stdout."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ...ops.shared.transfer import SkippedEntry
+from . import stderr
+
+#: files, and groups of entries, named one by one; past that, counted
+MAX_LISTED = 8
+
+
+def render_not_in_output(skipped: Sequence[SkippedEntry]) -> None:
+    """What the output does not hold, on stderr: each file, then the entries by reason (a dry
+    run says the same as the run it plans)."""
+    left = [s for s in skipped if s.kind == "file"]
+    for item in left[:MAX_LISTED]:
+        stderr.print(f"[yellow]not in the output:[/] {item.name}: {item.reason}", highlight=False)
+    if len(left) > MAX_LISTED:
+        stderr.print(f"[yellow]… {len(left) - MAX_LISTED} more files not in the output[/]")
+    by_reason: dict[str, list[SkippedEntry]] = {}
+    for entry in skipped:
+        if entry.kind != "file":
+            by_reason.setdefault(entry.reason, []).append(entry)
+    for reason, entries in by_reason.items():
+        # one line a reason, grouped by parent so 50 optimizer hyper-parameters read as one
+        # line; a group of one is named in full
+        groups: dict[str, list[str]] = {}
+        for entry in entries:
+            parent = entry.name.rsplit(".", 1)[0] if "." in entry.name else entry.name
+            groups.setdefault(parent, []).append(entry.name)
+        listed = [f"{name}.* ({len(n)})" if len(n) > 1 else n[0] for name, n in groups.items()]
+        more = f", … {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
+        kinds = {e.kind for e in entries}
+        noun = (
+            "tensor" if kinds == {"tensor"} else "component" if kinds == {"component"} else "entry"
+        )
+        what = noun if len(entries) == 1 else "entries" if noun == "entry" else f"{noun}s"
+        stderr.print(
+            f"[yellow]skipped {len(entries)} {what}[/] "
+            f"({reason}): {', '.join(listed[:MAX_LISTED])}{more}",
+            highlight=False,
+        )
