@@ -488,3 +488,39 @@ def test_reshard_says_a_rank_state_choice_had_nothing_to_apply_to(tmp_path: Path
     )  # fmt: skip
     assert used.exit_code == 0, used.stdout
     assert not any("--rank-state" in w for w in used.json["result"]["warnings"])
+
+
+# -- names that are not UTF-8 -----------------------------------------------------------------
+
+
+def test_a_file_name_that_is_not_utf8_gives_one_envelope_naming_it_as_python_reads_it_back(
+    tmp_path: Path,
+) -> None:
+    """A model folder holding a file whose name is not UTF-8 (copied from an old Latin-1 disk):
+    `convert --json` and `reshard --json`, stdout a pipe, printed half an envelope, then
+    "internal error ... This is a bug" (exit 70), after publishing DEST. Now each prints one
+    envelope, exit 0, and the name it lists is the file's: JSON's `\\udcff` escape, which
+    `json.loads` and `os.fsencode` turn back into the bytes on disk."""
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    src = tmp_path / "model"
+    src.mkdir()
+    save_file({"w": torch.arange(8.0)}, src / "model.safetensors")
+    odd = os.fsdecode(b"notes-\xff.txt")
+    (src / odd).write_text("from an old disk")
+    for command, options in (
+        ("convert", ["--to", "dcp"]),
+        ("reshard", ["--max-shard-size", "1KB"]),
+    ):
+        out = tmp_path / command
+        result = run_ckpt_process(command, src, out, *options, "--json")
+        assert result.exit_code == 0, result.stdout + result.stderr
+        envelope = json.loads(result.stdout)  # one document, nothing else
+        assert envelope["ok"] is True and envelope["error"] is None
+        listed = envelope["result"]["extras"]
+        assert odd in listed, listed
+        assert os.fsencode(odd) in os.listdir(os.fsencode(out))

@@ -212,8 +212,19 @@ def emit_json(command: str, result: Any, exit_code: int, error: CkptError | None
     """
     global envelope_started
     from pydantic import BaseModel
+    from pydantic_core import PydanticSerializationError
 
     if sys.stdout.isatty() or not isinstance(result, BaseModel):
+        _print_json(envelope(command, result, exit_code, error))
+        return
+    try:
+        # before the first byte goes out: a result that cannot be written never leaves half an
+        # envelope on stdout
+        body = result.model_dump_json()
+    except PydanticSerializationError:
+        # pydantic-core writes UTF-8 only, and a file name that is not UTF-8 (`os.fsdecode`'s
+        # lone surrogates) is not: the json module escapes it as `\udcff`, which `json.loads`
+        # and `os.fsencode` turn back into the bytes on disk
         _print_json(envelope(command, result, exit_code, error))
         return
     doc = envelope(command, None, exit_code, error)
@@ -223,7 +234,7 @@ def emit_json(command: str, result: Any, exit_code: int, error: CkptError | None
     # written in three pieces: the result's text (~120 bytes per DCP chunk) is not copied again
     envelope_started = True
     write_whole(f'{head[:-1]}, "result": ')
-    write_whole(result.model_dump_json())
+    write_whole(body)
     write_whole(f', "error": {tail}}}\n')
 
 
