@@ -296,6 +296,26 @@ def test_flipped_byte_is_caught_by_checksums(tmp_path: Path) -> None:
     assert problem["file"] == str(shard)
 
 
+def test_a_manifest_of_a_file_whose_name_is_not_utf8_checks_that_file(tmp_path: Path) -> None:
+    """A checkpoint folder holding a file whose name is not UTF-8 (copied from an old Latin-1
+    disk): `--write-manifest` recorded the name as replacement characters, so the very next
+    `--checksums` failed the untouched folder (that name "missing", the real one "not in the
+    manifest"). The manifest now records the name the file has, and it checks; a flip in that
+    file is still caught, naming it."""
+    import os
+
+    folder = sharded(tmp_path / "m")
+    odd = folder / os.fsdecode(b"notes-\xff.txt")
+    odd.write_text("from an old disk")
+    assert run_ckpt("verify", folder, "--write-manifest").exit_code == 0
+    code, found = problems(folder, "--checksums")
+    assert (code, found) == (0, [])
+    odd.write_text("from an old disc")
+    code, found = problems(folder, "--checksums")
+    assert code == 1
+    assert [(p["code"], p["file"]) for p in found] == [("checksum_mismatch", str(odd))]
+
+
 def test_checksums_find_missing_resized_and_added_files(tmp_path: Path) -> None:
     folder = sharded(tmp_path / "m")
     manifest = tmp_path / "elsewhere.json"

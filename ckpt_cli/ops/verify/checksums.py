@@ -504,7 +504,10 @@ def read_manifest(path: Destination) -> ChecksumManifest:
 
 def _write_manifest(path: Destination, record: ChecksumManifest, force: bool) -> None:
     """Publish the manifest atomically (temporary sibling + one rename, or an upload)."""
-    data = (json.dumps(record.model_dump(mode="json"), indent=2) + "\n").encode()
+    # python mode, not "json": pydantic turns a dict key that is not UTF-8 (a file name's lone
+    # surrogates) into replacement characters, where json escapes it as `\udcff`, read back
+    # to the name on disk
+    data = (json.dumps(record.model_dump(), indent=2) + "\n").encode()
     with (
         staged_output(path, force=force, single_file=True) as staging,
         open(staging / path.name, "wb") as fh,
