@@ -524,3 +524,29 @@ def test_a_file_name_that_is_not_utf8_gives_one_envelope_naming_it_as_python_rea
         listed = envelope["result"]["extras"]
         assert odd in listed, listed
         assert os.fsencode(odd) in os.listdir(os.fsencode(out))
+
+
+# -- a file where a run folder is expected ----------------------------------------------------
+
+
+def test_a_file_given_as_the_run_folder_is_named_as_a_file_by_every_run_command(
+    tmp_path: Path,
+) -> None:
+    """`ckpt sync model.safetensors s3://…` said "no such run folder. Check the path." (exit 3)
+    of a file that is there, where `latest` and `prune` say it is not a folder (exit 2) and
+    what to pass instead. Every command that takes a run folder now says the same."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(2)}, weights)
+    for args in (
+        ["latest", weights],
+        ["prune", weights, "--keep-last", "1"],
+        ["sync", weights, f"s3://{BUCKET}/run/"],
+    ):
+        result = run_ckpt(*args, "--json")
+        assert result.exit_code == 2, (args, result.stdout)
+        error = result.json["error"]
+        assert (error["path"], error["problem"]) == (str(weights), "is not a folder"), error
+        assert "run folder" in error["fix"]

@@ -44,9 +44,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ...errors import Interrupted, NotFoundError, UsageError
+from ...errors import Interrupted, UsageError
 from ...models import Request
-from ...sources.runs import DEFAULT_SETTLE, is_remote
+from ...sources.runs import DEFAULT_SETTLE, check_run_folder, is_remote
 from ...storage.uri import is_hub_url, parse_location
 from ..prune.retention import PrunePolicy
 from .model import RateLimit, SyncedCheckpoint, SyncReport
@@ -160,8 +160,8 @@ def sync_with(
             fix="Use the Trainer's push_to_hub, or `hf upload`; sync to an object "
             "store (s3://, gs://...) instead.",
         )
-    if up and not Path(src).is_dir():
-        raise NotFoundError("no such run folder", path=src, fix="Check the path.")
+    if up:
+        check_run_folder(Path(src))
     if down and (Path(dest).exists() or Path(dest).is_symlink()) and not Path(dest).is_dir():
         raise UsageError(
             "DEST is not a folder: a pull writes checkpoints into a run folder",

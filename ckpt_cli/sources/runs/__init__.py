@@ -78,7 +78,7 @@ from .records import (
 
 if TYPE_CHECKING:
     from .judge import load_metrics
-    from .local import looks_like_run, scan_run
+    from .local import check_run_folder, looks_like_run, scan_run
     from .naming import UNMARKED
     from .remote import is_remote, looks_like_remote_run, run_storage
 
@@ -86,6 +86,7 @@ if TYPE_CHECKING:
 #: `InspectReport`, and a plain checkpoint's `ckpt inspect` must not import the scanners
 _LAZY = {
     "load_metrics": "judge",
+    "check_run_folder": "local",
     "looks_like_run": "local",
     "scan_run": "local",
     "UNMARKED": "naming",
@@ -114,6 +115,7 @@ __all__ = [
     "RunCheckpoint",
     "RunReport",
     "Status",
+    "check_run_folder",
     "deleting_process",
     "is_remote",
     "load_metrics",

@@ -60,8 +60,9 @@ def scan_run(
     )
 
 
-def _local_listing(run_dir: str | Path | Source) -> LocalListing:
-    root = _local_root(run_dir)
+def check_run_folder(root: Path) -> None:
+    """Refuse a run folder that is missing (exit 3) or is a file (exit 2), in the words every
+    command that takes one (`latest`, `prune`, `sync`, `doctor`) uses."""
     if not root.exists():
         raise NotFoundError("no such folder", path=root, fix="Check the run folder's path.")
     if not root.is_dir():
@@ -70,6 +71,11 @@ def _local_listing(run_dir: str | Path | Source) -> LocalListing:
             path=root,
             fix="Pass the run folder that holds the step checkpoints (checkpoint-N/...).",
         )
+
+
+def _local_listing(run_dir: str | Path | Source) -> LocalListing:
+    root = _local_root(run_dir)
+    check_run_folder(root)
     storage = None
     if isinstance(run_dir, Source) and run_dir.storage.local_root is not None:
         storage = run_dir.storage if run_dir.target is None else None  # resolved: reused
