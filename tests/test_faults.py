@@ -287,6 +287,30 @@ def test_a_fifo_beside_the_weights_is_named_not_hashed_nor_protected(tmp_path: P
     assert run_ckpt("protect", folder).exit_code == 0
 
 
+@pytest.mark.parametrize("command", ["convert", "reshard"])
+def test_force_never_replaces_a_fifo_or_device_given_as_dest(tmp_path: Path, command: str) -> None:
+    """`ckpt convert model /dev/null --to torch --force`, as root in a container to throw the
+    output away, replaced /dev/null itself with a folder holding pytorch_model.bin (a FIFO
+    given as DEST became a file the same way). --force replaces outputs: files, folders and
+    links. A FIFO, socket or device is refused (exit 2), named, and left as it was."""
+    src = tmp_path / "model"
+    src.mkdir()
+    save_file(weights(1), src / "model.safetensors")
+    dest = tmp_path / "pipe"
+    os.mkfifo(dest)
+    args = {
+        "convert": ["convert", src, dest, "--to", "torch"],
+        "reshard": ["reshard", src, dest, "--max-shard-size", "1KB"],
+    }[command]
+    result = run_ckpt(*args, "--force", "--json")
+    assert result.exit_code == 2, result.stdout
+    error = result.json["error"]
+    assert error["path"] == str(dest) and "FIFO" in error["problem"], error
+    assert "--force" in error["problem"] and error["fix"]
+    assert stat.S_ISFIFO(dest.lstat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "pipe"]
+
+
 def test_a_fifo_in_a_run_folder_never_hangs(tmp_path: Path) -> None:
     run = tmp_path / "out"
     trainer_checkpoint(run / "checkpoint-100", 100)

@@ -34,6 +34,17 @@ if TYPE_CHECKING:
     from .destination import Destination
 
 
+def special_file_kind(mode: int) -> str:
+    """What a file that is neither a regular file, a folder nor a link is, in words."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
 def open_regular(path: str | os.PathLike[str], where: str | None = None) -> int:
     """Open a file for reading only if it is a regular file; returns the descriptor.
 
@@ -50,17 +61,7 @@ def open_regular(path: str | os.PathLike[str], where: str | None = None) -> int:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = (
-                "a FIFO (named pipe)"
-                if stat.S_ISFIFO(mode)
-                else "a socket"
-                if stat.S_ISSOCK(mode)
-                else "a device"
-                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "a folder"
-                if stat.S_ISDIR(mode)
-                else "not a regular file"
-            )
+            kind = "a folder" if stat.S_ISDIR(mode) else special_file_kind(mode)
             raise FormatError(
                 f"is {kind}, not a regular file; ckpt reads only regular files",
                 path=name,

@@ -34,6 +34,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import uuid
@@ -61,7 +62,7 @@ from .destination import Destination as Destination
 from .destination import RemoteDest as RemoteDest
 from .destination import local_destination as local_destination
 from .local import fsync_dir as fsync_dir
-from .local import hold, process_alive, read_regular
+from .local import hold, process_alive, read_regular, special_file_kind
 from .local import new_staging_folder as new_staging_folder
 from .local import remove_dead_stagings as remove_dead_stagings
 from .local import staging_held as staging_held
@@ -203,6 +204,17 @@ def check_destination(dest: Destination, force: bool) -> None:
             path=dest,
             fix="Name a new folder for the output (./model, say).",
         )
+    special = _special_file(dest)
+    if special is not None:
+        # publishing renames over DEST: `/dev/null --force`, as root, would replace the
+        # system's /dev/null with the output
+        raise UsageError(
+            f"is {special}, not an output ckpt may replace (--force replaces files, folders "
+            "and links)",
+            path=dest,
+            fix="Name a new file or folder for the output; `--dry-run` shows what would be "
+            "written without writing it.",
+        )
     if (dest.exists() or dest.is_symlink()) and not force:
         raise DestinationExistsError(
             "already exists",
@@ -213,6 +225,18 @@ def check_destination(dest: Destination, force: bool) -> None:
         raise NotFoundError(
             "the parent folder does not exist", path=dest.parent, fix="Create it first."
         )
+
+
+def _special_file(dest: Path) -> str | None:
+    """What `dest` is in words when it exists as neither a regular file, a folder nor a link
+    (a FIFO, a socket, a device), else None."""
+    try:
+        mode = dest.lstat().st_mode
+    except OSError:  # missing (or unreadable: the write names that itself)
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode):
+        return None
+    return special_file_kind(mode)
 
 
 def _holds_current_folder(dest: Path) -> bool:
