@@ -877,3 +877,51 @@ def test_a_filtered_cache_only_download_leaves_a_snapshot_that_reads_true_offlin
     got = read_all(part)  # whole shards: the ones holding the tensors asked for
     assert {n for n in state if n.startswith("model.layers.0.")} <= got.keys()
     assert all(torch.equal(t, state[n]) for n, t in got.items())
+
+
+@pytest.mark.frameworks
+def test_a_training_save_on_the_hub_downloads_whole_and_verifies_resumable(
+    hub: TestHub, real_trainer_run: Path, real_accelerate_run: Path, tmp_path: Path
+) -> None:
+    """A Trainer pushes `last-checkpoint/` to the Hub (`hub_strategy="checkpoint"`) to resume
+    elsewhere; an accelerate run uploads its `save_state` folder. `ckpt download` fetched the
+    weights alone and listed `optimizer.pt`, `scheduler.pt`, `rng_state.pth` as "weights of
+    another format or variant": DEST would resume with a fresh optimizer. The whole save comes,
+    byte for byte, and a filtered or ranged download says why the training state stays behind."""
+    saves = {
+        "org/trainer-run": real_trainer_run / "straight" / "checkpoint-4",
+        "org/accelerate-run": real_accelerate_run / "straight" / "step-4",
+    }
+    for repo, save in saves.items():
+        files = {f"last-checkpoint/{p.name}": p.read_bytes() for p in save.iterdir()}
+        hub.add_repo(repo, files)
+        src = f"hf://{repo}/last-checkpoint"
+        out = tmp_path / repo.split("/")[1]
+        whole = run_ckpt("download", src, out, "--json")
+        assert whole.exit_code == 0, whole.stdout + whole.stderr
+        report = whole.json["result"]
+        assert report["skipped"] == [], report["skipped"]
+        assert {p.name for p in out.iterdir()} == {p.name for p in save.iterdir()}
+        for path in save.iterdir():
+            assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+        kinds = {f["path"]: f["kind"] for f in report["files"]}
+        assert kinds["model.safetensors"] == "weights"
+        state = "optimizer.pt" if "trainer" in repo else "optimizer.bin"
+        assert kinds[state] == "state"
+        # the copy is the save: resumable, every component equal to the source's
+        checked = run_ckpt("verify", out, "--json")
+        assert checked.exit_code == 0, checked.stdout
+        assert checked.json["result"]["training"]["resumable"] is True
+        same = run_ckpt("diff", save, out, "--json").json["result"]
+        assert same["identical"] is True and same["compared"] > 100
+        optimizer = torch.load(out / state, weights_only=True)
+        assert optimizer["state"] and optimizer["param_groups"]
+
+        # --filter narrows the weights: the training state is not fetched, and it says why
+        for options in (("--filter", "lm_head.*"), ("--mode", "tensors")):
+            part = run_ckpt("download", src, tmp_path / "part", *options, "--force", "--json")
+            assert part.exit_code == 0, part.stdout + part.stderr
+            reasons = {s["name"]: s["reason"] for s in part.json["result"]["skipped"]}
+            assert state in reasons, options
+            assert "training state" in reasons[state] and "variant" not in reasons[state]
+            assert not (tmp_path / "part" / state).exists()

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ...errors import FormatError, NotFoundError
+from ...formats.base import Source
 from ...formats.names import SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES, looks_like_index
 from ...models import Entry, Record, Request
 from ...quant import sidecar_names
@@ -18,6 +19,7 @@ from ...storage.hub import HubRepo
 from ..shared.transfer import SkippedEntry
 
 Mode = Literal["shards", "tensors"]
+FileKind = Literal["weights", "index", "extra", "state"]
 
 #: a gap between two selected tensors is fetched (not split) when it costs at most this share
 COALESCE_SHARE = 0.01
@@ -60,7 +62,8 @@ class DownloadFile(Record):
     Attributes:
         path: path relative to the checkpoint (and to DEST).
         size: size in bytes as the Hub records it (or as written, for tensors-mode shards).
-        kind: `weights`, `index` or `extra`.
+        kind: `weights`, `index`, `extra` (config, tokenizer, card...) or `state` (a training
+            save's optimizer, scheduler, RNG... files, fetched whole beside its weights).
         status: `fetched`, `cached` (already in the HF cache), `planned` (dry run), `written`
             (assembled from ranges), `rewritten` (index narrowed to the fetched shards).
         sha256: the Hub's recorded sha256 (LFS files).
@@ -77,7 +80,7 @@ class DownloadFile(Record):
 
     path: str
     size: int
-    kind: Literal["weights", "index", "extra"]
+    kind: FileKind
     status: Literal["fetched", "cached", "planned", "written", "rewritten"]
     sha256: str | None = None
     verified: bool = False
@@ -184,18 +187,52 @@ RANGES_HASHED = (
 # -- choosing what to fetch ------------------------------------------------------------------
 
 
+def training_state_files(source: Source, checkpoint: set[str]) -> tuple[str, set[str]]:
+    """The layout of the training save SRC is (`hf-trainer`, `accelerate`...; "" when it is
+    none) and its training-state files: the top-level files beside the weights read
+    (`checkpoint`) that the framework wrote for resuming (`optimizer.pt`, `scheduler.pt`,
+    `rng_state.pth`, `trainer_state.json`, `random_states_0.pkl`, `custom_checkpoint_0.pkl`...).
+    A Trainer pushes `last-checkpoint/` to the Hub to be resumed from: its weights alone do not
+    resume. Config, tokenizer and card files stay extras; names are read, no file is."""
+    from ...sources.layouts import training_layout_of
+
+    found = training_layout_of(source)
+    if found is None:
+        return "", set()
+    layout, own = found
+    state = {
+        rel
+        for rel in source.top_level()
+        if rel not in checkpoint
+        and not rel.startswith(".")
+        and (rel in own or not rel.endswith(EXTRA_SUFFIXES))
+    }
+    return layout.name, state
+
+
+def state_left_behind(layout: str, state: set[str], why: str) -> dict[str, str]:
+    """Each training-state file of a `layout` save a download does not fetch, with `why`."""
+    reason = (
+        f"the training state of this {layout} save (optimizer, scheduler, RNG...): {why}; "
+        "--include with its name fetches it"
+    )
+    return dict.fromkeys(sorted(state), reason)
+
+
 def top_level_extras(
     repo: HubRepo,
     weights: set[str],
     filters: dict[str, list[str]] | None = None,
     checkpoint: set[str] | None = None,
+    state: set[str] | None = None,
 ) -> list[str]:
     """The files fetched besides the weights: top-level config/tokenizer/card files (weight
-    files and weight indexes excluded).
+    files, weight indexes and a training save's `state` files excluded).
 
     `filters` carries the --include/--exclude file globs: --include picks the other files (any
     file of the repository but those of the `checkpoint` read, whose shards follow the tensors
-    chosen: the other format's weights too, when asked for by name), --exclude leaves files out.
+    chosen: the other format's weights and training state too, when asked for by name),
+    --exclude leaves files out.
     """
     import fnmatch
 
@@ -211,6 +248,7 @@ def top_level_extras(
                 continue
         elif (
             rel.startswith(".")
+            or rel in (state or set())
             or rel.endswith(WEIGHT_SUFFIXES)
             or looks_like_index(rel)
             or "/" in rel
@@ -224,11 +262,17 @@ def top_level_extras(
 
 
 def skipped_files(
-    repo: HubRepo, taken: set[str], checkpoint: set[str], request: DownloadRequest
+    repo: HubRepo,
+    taken: set[str],
+    checkpoint: set[str],
+    request: DownloadRequest,
+    state: dict[str, str] | None = None,
 ) -> list[SkippedEntry]:
     """Every file of the repository (under the location's folder) not in `taken`, with why:
     nothing vanishes without a line in the report. `checkpoint` holds the files of the
-    checkpoint read (its shards and index): one of them not taken held no selected tensor."""
+    checkpoint read (its shards and index): one of them not taken held no selected tensor;
+    `state` a training save's state files left behind, each with why (`state_left_behind`)."""
+    state = state or {}
     include = request.include_files or []
     exclude = request.exclude_files or []
     out = []
@@ -243,6 +287,8 @@ def skipped_files(
             why = "a hidden file: not part of the checkpoint"
         elif glob is not None:
             why = f"left out by --exclude {glob!r}"
+        elif rel in state and not include:
+            why = state[rel]
         elif not request.extras:
             why = "left out by --no-extras"
         elif include:

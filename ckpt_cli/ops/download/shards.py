@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from ...errors import FormatError, IOFailure
 from ...faults import close_pool, io_failure
@@ -31,12 +31,15 @@ from .plan import (
     DownloadFile,
     DownloadReport,
     DownloadRequest,
+    FileKind,
     index_selection,
     no_match,
     no_safetensors,
     planned_files,
     skipped_files,
+    state_left_behind,
     top_level_extras,
+    training_state_files,
 )
 
 # -- shards mode -----------------------------------------------------------------------------
@@ -97,22 +100,32 @@ def download_shards(
     for shard in needed:
         storage.remote(shard)  # NotFoundError if the index names a shard the repo lacks
     subset = weight_map is not None and needed != all_shards
-    plan: list[tuple[str, Literal["weights", "index", "extra"]]] = [(s, "weights") for s in needed]
+    plan: list[tuple[str, FileKind]] = [(s, "weights") for s in needed]
     if index_rel is not None:
         # the repository's own index goes into the HF cache even when DEST gets a narrowed
         # one: without it, the cached snapshot (what HF_HUB_OFFLINE=1 reads) would hold a
         # shard or two and nothing saying the model has more, and read as a whole model
         plan.insert(0, (index_rel, "index"))
     checkpoint = set(all_shards) | ({index_rel} if index_rel is not None else set())
+    # a training save (a Trainer's `last-checkpoint/`) is its weights and its state: a whole
+    # download fetches both; tensors chosen by name are weights only, the state stays behind
+    layout, state = training_state_files(source, checkpoint)
+    left_behind: dict[str, str] = {}
+    if include or exclude:
+        left_behind = state_left_behind(
+            layout, state, "fetched whole when no --filter / --filter-out narrows the weights"
+        )
+    elif not asked.include_files:
+        plan.extend((rel, "state") for rel in sorted(state) if not _excluded(rel, asked))
     if extras:
         plan.extend(
             (rel, "extra")
             for rel in top_level_extras(
-                repo, set(needed) | {index_rel or ""}, report.filters, checkpoint
+                repo, set(needed) | {index_rel or ""}, report.filters, checkpoint, state
             )
         )
     taken = {rel for rel, _ in plan} | ({index_rel} if subset and index_rel else set())
-    report.skipped = skipped_files(repo, taken, checkpoint, asked)
+    report.skipped = skipped_files(repo, taken, checkpoint, asked, left_behind)
     report.metadata_bytes = storage.bytes_fetched
 
     report.files = [
@@ -148,6 +161,13 @@ def download_shards(
             data = _narrowed_index(staging, weight_map, set(needed))
             (staging / index_rel).write_bytes(data)
             report.files.insert(0, _rewritten_index_info(index_rel, len(data), "rewritten"))
+
+
+def _excluded(rel: str, asked: DownloadRequest) -> bool:
+    """Whether an --exclude file glob leaves `rel` out."""
+    import fnmatch
+
+    return any(fnmatch.fnmatchcase(rel, glob) for glob in asked.exclude_files or [])
 
 
 def _rewritten_index_info(index_rel: str | None, size: int, status: Any) -> DownloadFile:

@@ -52,7 +52,9 @@ from .plan import (
     no_safetensors,
     planned_files,
     skipped_files,
+    state_left_behind,
     top_level_extras,
+    training_state_files,
 )
 from .shards import fetch_files
 
@@ -345,9 +347,20 @@ def download_tensors(
     report.ranges = plan_ranges(chosen)
     report.bytes_planned = sum(r.length for r in report.ranges)
     index_rel = checkpoint.index
+    # a training save's optimizer, scheduler, RNG... files are no byte ranges of its weights
+    layout, state = training_state_files(source, own)
+    left_behind = state_left_behind(
+        layout,
+        state,
+        "--mode tensors writes the selected weights only; --mode shards fetches the whole save",
+    )
     extra_files = (
         top_level_extras(
-            repo, {h.file for h in checkpoint.headers} | {index_rel or ""}, report.filters, own
+            repo,
+            {h.file for h in checkpoint.headers} | {index_rel or ""},
+            report.filters,
+            own,
+            state,
         )
         if extras
         else []
@@ -355,7 +368,7 @@ def download_tensors(
     # the shards ranges are read from, the index that found them, the extras: the rest is named
     taken = {r.file for r in report.ranges} | set(extra_files)
     taken |= {index_rel} if index_rel else set()
-    report.skipped = skipped_files(repo, taken, own, asked)
+    report.skipped = skipped_files(repo, taken, own, asked, left_behind)
     extra_plan = planned_files(repo, extra_files, "extra")
     report.bytes_planned += sum(f.size for f in extra_plan if f.status == "planned")
     report.metadata_bytes = storage.bytes_fetched

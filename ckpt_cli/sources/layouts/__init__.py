@@ -110,6 +110,7 @@ __all__ = [
     "single_layout_missing",
     "subfolder_source",
     "training_checks",
+    "training_layout_of",
 ]
 
 #: the folder layouts `open_source` tries, in order: DeepSpeed first (its `latest` parent holds
@@ -208,6 +209,26 @@ def folder_layout_of(source: Source) -> Layout | None:
     """The folder layout `source`'s file names say it is (nothing is read): what a run's judge
     asks of a save named by the script (`step_100/`), whose name says no framework."""
     return next(_recognised(source), None)
+
+
+def training_layout_of(source: Source) -> tuple[Layout, set[str]] | None:
+    """The training layout `source`'s file names say it is (nothing is read), with the
+    top-level files its registry names as the framework's own (`trainer_state.json`,
+    `optimizer.pt`, `random_states_0.pkl`...); None for a plain checkpoint, a DCP folder or a
+    model folder (a diffusers pipeline holds no training state)."""
+    if source.target is not None:
+        return None
+    top = source.top_level()
+    if DCP_METADATA in set(top):
+        return None
+    for module, cls_name, names in FOLDER_REGISTRY:
+        own = {n for n in top if names.fullmatch(n)}
+        if not own:
+            continue
+        layout = folder_layout(module, cls_name)
+        if layout.recognise(source):
+            return (layout, own) if layout.holds_training_state else None
+    return None
 
 
 def _open_layout(source: Source) -> OpenedSource | None:

@@ -105,6 +105,9 @@ class Layout(ABC):
             `custom_checkpoint_{i}.pkl`, one per `register_for_checkpointing` object): a save
             holding `last_file` but not one of these that the run's save before it holds was
             cut short after `last_file` (a run's judge). None when the layout writes none.
+        holds_training_state: whether the folder is a training save (its files beside the
+            weights are optimizer, scheduler, RNG... state a copy of the save needs); a model
+            folder layout (a diffusers pipeline) says no.
     """
 
     name: ClassVar[str]
@@ -117,6 +120,7 @@ class Layout(ABC):
     loads_size_shards: ClassVar[bool] = True
     last_file: ClassVar[re.Pattern[str] | None] = None
     after_last_file: ClassVar[re.Pattern[str] | None] = None
+    holds_training_state: ClassVar[bool] = True
 
     @abstractmethod
     def recognise(self, source: Source) -> bool:

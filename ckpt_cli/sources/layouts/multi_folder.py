@@ -18,6 +18,7 @@ class MultiFolder(Layout):
     (`modules.json`), one component per subfolder."""
 
     name = "multi-folder"
+    holds_training_state = False
 
     def recognise(self, source: Source) -> bool:
         names = set(source.files)
