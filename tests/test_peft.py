@@ -1381,3 +1381,82 @@ def test_merge_refuses_lora_on_an_expert_stack_stored_quantized(tmp_path: Path) 
     )
     assert "--dequantize" in error["fix"]
     assert not (tmp_path / "merged").exists()
+
+
+def _two_adapters(base: Path, folder: Path) -> None:
+    """`PeftModel.save_pretrained` of a model with two LoRA adapters: `default` at the root,
+    `second` in `second/`, as peft lays out every adapter but the default one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(2)
+    first = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False)
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(base), first)
+    second = LoraConfig(r=2, lora_alpha=4, target_modules=["k_proj"], init_lora_weights=False)
+    model.add_adapter("second", second)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(folder)
+
+
+def _load_both(base: Path, folder: Path) -> dict[str, torch.Tensor]:
+    """Both adapters as peft loads them: the root one, then `second/` by its name."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), folder)
+        model.load_adapter(str(folder / "second"), adapter_name="second")
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def test_every_adapter_of_a_multi_adapter_folder_is_diffed_and_converted(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """peft saves every adapter but the default one in a subfolder named after it. ckpt read
+    the root adapter alone: `diff` said IDENTICAL of two folders whose `second` adapters
+    differ, and `convert --dtype bf16` cast the root adapter and listed `second/` as "in a
+    subfolder ckpt does not read". Every adapter is now a component: diffed, converted with
+    every option, and loaded by peft from the output."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "adapters"
+    _two_adapters(tiny_llama, folder)
+    listed = run_ckpt("inspect", folder, "--json")
+    assert listed.exit_code == 0, listed.stderr
+    names = {e["name"] for e in listed.json["result"]["entries"]}
+    assert any(n.startswith("second.") for n in names)
+    assert any(n.startswith("default.") for n in names)
+
+    changed = shutil.copytree(folder, tmp_path / "changed")
+    weights = changed / "second" / "adapter_model.safetensors"
+    tensors = {k: v + 1 for k, v in load_file(weights).items()}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    diffed = run_ckpt("diff", folder, changed, "--json")
+    assert diffed.exit_code == 1, diffed.stdout
+    assert {d["name"].split(".")[0] for d in diffed.json["result"]["differences"]} == {"second"}
+    assert run_ckpt("diff", folder, changed, "--select", "default").exit_code == 0
+
+    out = tmp_path / "bf16"
+    dry = run_ckpt("convert", folder, out, "--to", "safetensors", "--dtype", "bf16", "-n", "--json")
+    assert dry.exit_code == 0, dry.stdout + dry.stderr
+    assert not out.exists()
+    result = run_ckpt("convert", folder, out, "--to", "safetensors", "--dtype", "bf16", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert {f["path"] for f in dry.json["result"]["files"]} == {
+        f["path"] for f in result.json["result"]["files"]
+    }
+    assert not [s for s in result.json["result"]["skipped"] if s["kind"] == "file"]
+    for adapter in (out, out / "second"):
+        saved = load_file(adapter / "adapter_model.safetensors")
+        assert saved and {t.dtype for t in saved.values()} == {torch.bfloat16}
+    expected = {k: v.to(torch.bfloat16) for k, v in _load_both(tiny_llama, folder).items()}
+    got = _load_both(tiny_llama, out)
+    assert got.keys() == expected.keys() and any("second" in k for k in got)
+    assert all(torch.equal(got[k].to(torch.bfloat16), expected[k]) for k in expected)
+    assert run_ckpt("diff", folder, out, "--ignore-dtype", "--atol", "1e-2").exit_code == 0
+    # peft loads one file per adapter: a size that would cut one is refused, nothing written
+    cut = run_ckpt("reshard", folder, tmp_path / "cut", "--max-shard-size", "1KB", "--json")
+    assert cut.exit_code == 2, cut.stdout
+    assert "adapter_model" in cut.json["error"]["message"] and not (tmp_path / "cut").exists()

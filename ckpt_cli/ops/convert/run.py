@@ -839,7 +839,8 @@ def _convert_components(
             s.model_copy(update={"name": f"{base}{s.name}"}) if s.kind == "file" else s
             for s in report.skipped
         ]
-    carried += [f.path for f in files if f.path not in written and f.path not in carried]
+    # (a root module's weights keep their library's name, the file they were read from)
+    carried += [f.path for f in files if f.path not in written and f.path not in carried + read]
     return ConvertReport(
         source=src,
         source_format=layout,

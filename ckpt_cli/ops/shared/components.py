@@ -143,7 +143,7 @@ def write_components(
         for comp, inner_src in jobs:
             report = one(comp, inner_src, str(dest_path / (comp.path or ROOT_SCRATCH)), to)
             reports.append(report)
-            files += _under(comp, report.files)
+            files += _under(comp, _renamed(report.files, _root_names(src, comp, report.files)))
         planned = {info.path for info in files}
         files += [
             FileInfo(path=rel, size=size, entries=0)
@@ -156,11 +156,12 @@ def write_components(
             inner_dest = staging / (comp.path or ROOT_SCRATCH)
             report = one(comp, inner_src, str(inner_dest), to)
             reports.append(report)
+            names = _root_names(src, comp, report.files)
             if not comp.path:  # a root module moves up beside the other components' folders
                 for child in sorted(inner_dest.iterdir()):
-                    child.rename(staging / child.name)
+                    child.rename(staging / names.get(child.name, child.name))
                 inner_dest.rmdir()
-            files += _under(comp, report.files)
+            files += _under(comp, _renamed(report.files, names))
         listed = {info.path for info in files}
         for rel in sorted(source.files):
             if rel in weight_files:
@@ -225,6 +226,30 @@ def component_weight_files(listing: dict[str, int] | Collection[str], comp: Comp
         for n in listing
         if n.startswith(prefix) and "/" not in n[len(prefix) :] and _is_weights(n[len(prefix) :])
     )
+
+
+def _root_names(src: str, comp: Component, written: list[FileInfo]) -> dict[str, str]:
+    """The names a root module's files take in DEST: its library's (`adapter_model`, which
+    `Component.stem` gives) for the one weights file written under the target's default name.
+    A library that loads one file (peft) cannot load shards: those are refused."""
+    if comp.path or not comp.stem:
+        return {}
+    weights = [f.path for f in written if _is_weights(f.path)]
+    if len(weights) != 1 or looks_like_index(weights[0]):
+        shards = [w for w in weights if not looks_like_index(w)]
+        raise UsageError(
+            f"the {comp.name} component would be cut into {len(shards)} shards, and its "
+            f"library loads one {comp.stem} file",
+            path=f"{src.rstrip('/')}/{comp.weights}",
+            fix="Leave --max-shard-size out, or give a size above the component's.",
+        )
+    written_name = weights[0]
+    suffix = written_name[written_name.index(".") :]
+    return {written_name: f"{comp.stem}{suffix}"}
+
+
+def _renamed(written: list[FileInfo], names: dict[str, str]) -> list[FileInfo]:
+    return [info.model_copy(update={"path": names.get(info.path, info.path)}) for info in written]
 
 
 def _under(comp: Component, written: list[FileInfo]) -> list[FileInfo]:

@@ -138,7 +138,11 @@ FOLDER_REGISTRY: tuple[tuple[str, str, re.Pattern[str]], ...] = (
             r"|pytorch_model_fsdp(_\d+)?_rank\d+\.bin|optimizer_\d+_rank\d+\.bin"
         ),
     ),
-    ("multi_folder", "MultiFolder", re.compile(r"model_index\.json|modules\.json")),
+    (
+        "multi_folder",
+        "MultiFolder",
+        re.compile(r"model_index\.json|modules\.json|adapter_config\.json"),
+    ),
 )
 _folder_layouts: dict[str, Layout] = {}
 

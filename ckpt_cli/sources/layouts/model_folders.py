@@ -336,6 +336,8 @@ class Component:
             nothing says (a custom module type).
         absent: its folder is not there at all, though the folder's index names it (a
             pipeline's `unet/` deleted): the model cannot be loaded.
+        stem: for a root module whose library loads its weights under a name of its own
+            (peft's `adapter_model`), that stem: an output keeps it; "" for the default names.
     """
 
     name: str
@@ -344,6 +346,7 @@ class Component:
     weights: str | None
     needs: str = ""
     absent: bool = False
+    stem: str = ""
 
 
 #: the sentence-transformers module classes whose `save` writes weights (`model.safetensors`):
@@ -397,8 +400,9 @@ def _weights_in(names: set[str], folder: str) -> str | None:
 
 
 def multi_folder(source: Source) -> tuple[str, list[Component], dict[str, Any]] | None:
-    """(layout, components, details) of a diffusers pipeline root or a sentence-transformers
-    folder; None for anything else. Only `model_index.json` / `modules.json` are read."""
+    """(layout, components, details) of a diffusers pipeline root, a sentence-transformers
+    folder or a folder of several PEFT adapters; None for anything else. Only
+    `model_index.json` / `modules.json` / `adapter_config.json` are read."""
     if source.target is not None:
         return None
     names = set(source.files)
@@ -446,7 +450,40 @@ def multi_folder(source: Source) -> tuple[str, list[Component], dict[str, Any]] 
                 )
             )
         return "sentence-transformers", components, {"modules": len(components)}
+    if "adapter_config.json" in names:
+        return peft_adapters(source, names)
     return None
+
+
+#: the weights `PeftModel.save_pretrained` writes for one adapter, in the order peft loads them
+_ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def peft_adapters(
+    source: Source, names: set[str]
+) -> tuple[str, list[Component], dict[str, Any]] | None:
+    """A folder of several PEFT adapters, as `PeftModel.save_pretrained` writes one: the
+    `default` adapter at the root, every other in a subfolder named after it
+    (`second/adapter_config.json`, `second/adapter_model.safetensors`). None for a folder of
+    one adapter (a plain adapter folder, described by `peft_info`). Only the adapters'
+    `adapter_config.json` files are read."""
+    folders = sorted(
+        n.split("/")[0]
+        for n in names
+        if n.count("/") == 1 and n.endswith("/adapter_config.json") and not n.startswith(".")
+    )
+    if not folders:
+        return None
+    components = []
+    for name, path in (("default", ""), *((f, f) for f in folders)):
+        prefix = f"{path}/" if path else ""
+        config = read_json(source, f"{prefix}adapter_config.json")
+        kind = config.get("peft_type") if isinstance(config, dict) else None
+        weights = next((f"{prefix}{w}" for w in _ADAPTER_WEIGHTS if f"{prefix}{w}" in names), None)
+        needs = f"{prefix}{_ADAPTER_WEIGHTS[0]}"
+        kind = f"peft.{kind or 'PEFT'}"
+        components.append(Component(name, path, kind, weights, needs, stem="adapter_model"))
+    return "peft-adapters", components, {"adapters": len(components)}
 
 
 def gguf_info(manifest: Any) -> LayoutInfo:

@@ -1,4 +1,5 @@
-"""Diffusers pipeline roots and sentence-transformers folders: one composite of components."""
+"""Diffusers pipeline roots, sentence-transformers folders and folders of several PEFT adapters:
+one composite of components."""
 
 from __future__ import annotations
 
@@ -10,19 +11,33 @@ from .composite import Folder
 from .model_folders import Component, LayoutInfo
 
 #: the file that lists the components, per layout
-_INDEX = {"sentence-transformers": "modules.json", "diffusers-pipeline": "model_index.json"}
+_INDEX = {
+    "sentence-transformers": "modules.json",
+    "diffusers-pipeline": "model_index.json",
+    "peft-adapters": "its adapter_config.json",
+}
+#: how the layout block names the whole, when its index names no class
+_LABEL = {"sentence-transformers": "SentenceTransformer", "peft-adapters": "PEFT adapters"}
 
 
 class MultiFolder(Layout):
-    """A diffusers pipeline root (`model_index.json`) or a sentence-transformers folder
-    (`modules.json`), one component per subfolder."""
+    """A diffusers pipeline root (`model_index.json`), a sentence-transformers folder
+    (`modules.json`) or a folder of several PEFT adapters (`adapter_config.json` at the root
+    and in a subfolder per named adapter), one component per subfolder."""
 
     name = "multi-folder"
     holds_training_state = False
 
     def recognise(self, source: Source) -> bool:
         names = set(source.files)
-        return source.target is None and ("model_index.json" in names or "modules.json" in names)
+        if source.target is not None:
+            return False
+        if "model_index.json" in names or "modules.json" in names:
+            return True
+        # peft saves every adapter but the default one in a subfolder named after it
+        return "adapter_config.json" in names and any(
+            n.endswith("/adapter_config.json") and n.count("/") == 1 for n in names
+        )
 
     def open(self, source: Source) -> OpenedSource | None:
         """A diffusers pipeline root or a sentence-transformers folder: one checkpoint of components.
@@ -60,7 +75,7 @@ class MultiFolder(Layout):
             infos.append(info)
         checkpoint = folder.composite(layout)
         weighted = [i for i in infos if i.tensors]
-        label = details.get("pipeline") or "SentenceTransformer"
+        label = details.get("pipeline") or _LABEL.get(layout, layout)
         description = (
             f"{label}: {len(infos)} components ({', '.join(i.name for i in infos)}), "
             f"{len(weighted)} with weights"
