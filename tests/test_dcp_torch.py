@@ -325,6 +325,31 @@ def test_zstd_dcp_is_read_verified_converted_and_resharded(tmp_path: Path) -> No
     assert_same(torch.load(tmp_path / "t.pt", weights_only=True), state)
 
 
+def test_zstd_with_the_safetensors_serialization_is_a_usage_error(tmp_path: Path) -> None:
+    """DCP compresses torch_save items only. Asking for zstd with the safetensors serialization
+    (given, or the source's, which reshard keeps) was refused as a bad checkpoint (exit 4), as
+    if SRC were damaged; it is two options that do not go together: exit 2, nothing written."""
+    dcp_save({"w": torch.arange(6.0), "step": 3}, tmp_path / "src", "safetensors")
+    for args in (
+        [
+            "convert",
+            "--to",
+            "dcp",
+            "--dcp-serialization",
+            "safetensors",
+            "--dcp-compression",
+            "zstd",
+        ],
+        ["reshard", "--world-size", "2", "--dcp-compression", "zstd"],
+    ):
+        out = tmp_path / args[0]
+        for dry in ([], ["--dry-run"]):  # a dry run is refused as the real run is
+            result = run_ckpt(args[0], tmp_path / "src", out, *args[1:], *dry, "--json")
+            assert result.exit_code == 2, result.stdout
+            assert result.json["error"]["code"] == "usage", result.json["error"]
+            assert "--dcp-compression" in result.json["error"]["fix"] and not out.exists()
+
+
 def test_zstd_dcp_with_a_damaged_stream_fails_verify(tmp_path: Path) -> None:
     """A zstd frame carries no checksum by default: a damaged frame header is what structure
     checks can see (bytes flipped inside the data need `verify --checksums`)."""

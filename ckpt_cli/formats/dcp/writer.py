@@ -13,7 +13,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 from ... import dtypes
 from ...dist.placement import shard_dim0_boxes
-from ...errors import REPORT_BUG, FormatError
+from ...errors import REPORT_BUG, FormatError, UsageError
 from ...models import Chunk, Entry, FileInfo
 from ...storage import safe_relpath
 from ...storage.fileio import FileRange, open_output
@@ -116,7 +116,9 @@ class DcpWriter(Writer):
                 fix="Use --dcp-compression zstd or none.",
             )
         if self.compression and self.serialization == "safetensors":
-            raise FormatError(
+            # two options that do not go together (the serialization given, or the source's
+            # that reshard keeps): a usage error, not a bad checkpoint
+            raise UsageError(
                 "DCP compression applies to the torch_save serialization only",
                 fix="Drop --dcp-compression, or write --dcp-serialization torch_save.",
             )

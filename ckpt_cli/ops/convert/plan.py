@@ -66,6 +66,7 @@ def check_target(
         raise UsageError(
             "--dcp-serialization applies to --to dcp only", fix="Leave --dcp-serialization out."
         )
+    check_compressed_serialization(fmt, serialization, compression)
     if world_size < 1:
         raise UsageError(
             "--world-size must be at least 1", fix="Give the number of ranks, e.g. --world-size 8."
@@ -77,6 +78,22 @@ def check_target(
             "with --to dcp.",
         )
     return fmt
+
+
+def check_compressed_serialization(
+    fmt: type[Format], serialization: str | None, compression: str | None
+) -> None:
+    """A compression applies to the format's default serialization only (DCP compresses its
+    torch_save items): asked with another (given, or a source's that reshard keeps), the two
+    options do not go together, refused before anything is planned, dry runs alike."""
+    default = fmt.serializations[0] if fmt.serializations else None
+    if compression in (None, NO_COMPRESSION) or serialization in (None, default):
+        return
+    raise UsageError(
+        f"--dcp-compression {compression} applies to the {default} serialization only, and the "
+        f"output's is {serialization}",
+        fix=f"Leave --dcp-compression out, or write --dcp-serialization {default}.",
+    )
 
 
 def check_shard_size(fmt: type[Format], shard_size: int | None) -> None:

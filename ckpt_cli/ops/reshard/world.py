@@ -51,7 +51,13 @@ from ...progress import NULL_PROGRESS, CountingProgress, Progress
 from ...sources.layouts import ckpt_record
 from ...sources.layouts.base import open_plain
 from ...storage.output import check_destination
-from ..convert.plan import NO_COMPRESSION, guard_paths, local_dest, output_warnings
+from ..convert.plan import (
+    NO_COMPRESSION,
+    check_compressed_serialization,
+    guard_paths,
+    local_dest,
+    output_warnings,
+)
 from ..shared.megatron import keep_megatron_layout
 from ..shared.transfer import (
     Item,
@@ -546,6 +552,7 @@ def _encoding(
     if compression is None and details and details.compression and chosen == default:
         # a compressed source stays compressed (the transform applies to the default only)
         compression = fmt.compressions[0] if fmt.compressions else None
+    check_compressed_serialization(fmt, chosen, compression)
     return chosen, compression
 
 
