@@ -1411,7 +1411,9 @@ def test_a_qwen2_is_never_mapped_without_its_qkv_biases(tmp_path: Path) -> None:
     Llama with the Qwen2's config.json) was written with exit 0 and a warning, a model that
     runs without its biases. Both are refused (exit 4), by the config.json's model_type and,
     without a config.json, by the filter leaving out tensors of mapped modules; the refusal
-    of the unfiltered model no longer suggests --filter-out for them."""
+    of the unfiltered model no longer suggests --filter-out for them. (ckpt now knows Qwen2,
+    from llama.cpp's GGUF: a Qwen2 config.json is refused over weights without its biases,
+    and the unfiltered model as one torchtitan has no naming for.)"""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -1435,7 +1437,9 @@ def test_a_qwen2_is_never_mapped_without_its_qkv_biases(tmp_path: Path) -> None:
         r = run_ckpt("convert", source, dest, "--to", target, *options)
         assert r.exit_code == 4, r.stdout + r.stderr
         message = " ".join(r.stderr.split())
-        assert 'model_type: "qwen2" (whose q/k/v projections always have biases)' in message
+        # a Qwen2 config.json over weights without its biases: no Qwen2 the tensors fill
+        assert "config.json is a Qwen2 model's (model_type 'qwen2')" in message, message
+        assert "these tensors do not fill" in message
         assert not dest.exists()
     # no config.json to tell: the filter left out tensors of the projections it maps
     bare = tmp_path / "bare"
@@ -1449,11 +1453,12 @@ def test_a_qwen2_is_never_mapped_without_its_qkv_biases(tmp_path: Path) -> None:
     ), message
     assert "'model.layers.0.self_attn.k_proj.bias'" in message
     assert not (tmp_path / "out").exists()
+    # ckpt knows a Qwen2 (from llama.cpp's GGUF): torchtitan has none to map it to
     r = run_ckpt("convert", qwen2, tmp_path / "out", "--to", "torchtitan")
     assert r.exit_code == 4
     message = " ".join(r.stderr.split())
-    assert "would give a model that runs without them" in message, message
-    assert "--filter-out for tensors that are no weights" not in message
+    assert "Qwen2 has no torchtitan naming" in message, message
+    assert "--filter-out" not in message
 
 
 def test_an_fp8_model_maps_to_a_naming_only_dequantized(tmp_path: Path) -> None:

@@ -1308,6 +1308,7 @@ def _llama_gguf(
     rope_scaling: dict[str, object] | None = None,
     architecture: str = "llama",
     qwen3_head_dim: int | None = None,
+    bias: bool = True,
 ) -> dict[str, torch.Tensor]:
     """A tiny random `LlamaForCausalLM` (GQA: 4 heads, 2 kv heads) written as llama.cpp's
     `convert_hf_to_gguf.py` writes a Llama: its tensor names (gguf's own name map), q/k rows
@@ -1315,19 +1316,30 @@ def _llama_gguf(
     rope scaling as the `rope_freqs.weight` factor table; weights of 2 dims in `qtype` (`F32`,
     `F16` or a block type), norms F32. With `qwen3_head_dim`, a `Qwen3ForCausalLM` of that
     head width written as llama.cpp writes a Qwen3 (rows as they are, `attention.key_length`).
-    Returns the model's state dict."""
+    With `architecture` qwen2, a `Qwen2ForCausalLM` (q/k/v biases, made random so a mix-up
+    shows; `bias` False: a Llama's tensors under that architecture) written as llama.cpp
+    writes a Qwen2 (rows as they are, biases F32). Returns the model's state dict."""
     import math
 
     import gguf
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(0)
     heads, kv_heads, dim, theta = 4, 2, 64, 500000.0
     qwen3 = qwen3_head_dim is not None
+    qwen2 = architecture == "qwen2" and bias
     head_dim = qwen3_head_dim or dim // heads
-    config = (Qwen3Config if qwen3 else LlamaConfig)(
+    config_class = Qwen3Config if qwen3 else Qwen2Config if qwen2 else LlamaConfig
+    config = config_class(
         head_dim=head_dim,
         vocab_size=64,
         hidden_size=dim,
@@ -1341,8 +1353,12 @@ def _llama_gguf(
         max_position_embeddings=128,
         tie_word_embeddings=tied,
     )
-    model = (Qwen3ForCausalLM if qwen3 else LlamaForCausalLM)(config)
+    model_class = Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM if qwen2 else LlamaForCausalLM
+    model = model_class(config)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for name in state:
+        if name.endswith(".bias"):  # transformers initialises them to zeros
+            state[name] = torch.randn_like(state[name])
 
     def permute(weights: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's, verbatim
         return (
@@ -1351,7 +1367,13 @@ def _llama_gguf(
             .reshape(weights.shape)
         )
 
-    kind = gguf.MODEL_ARCH.QWEN3 if qwen3 else gguf.MODEL_ARCH.LLAMA
+    kind = (
+        gguf.MODEL_ARCH.QWEN3
+        if qwen3
+        else gguf.MODEL_ARCH.QWEN2
+        if qwen2
+        else gguf.MODEL_ARCH.LLAMA
+    )
     names = gguf.get_tensor_name_map(kind, config.num_hidden_layers)
     writer = GGUFWriter(str(path), architecture)
     writer.add_name("tiny")
@@ -1395,13 +1417,13 @@ def _llama_gguf(
         if tied and name == "lm_head.weight":
             continue
         data = tensor.float().numpy()
-        if qwen3:
-            pass  # llama.cpp writes a Qwen3's rows as they are (NEOX rope)
+        if qwen3 or qwen2:
+            pass  # llama.cpp writes a Qwen3's and a Qwen2's rows as they are (NEOX rope)
         elif name.endswith("q_proj.weight"):
             data = permute(data, heads)
         elif name.endswith("k_proj.weight"):
             data = permute(data, kv_heads)
-        target = names.get_name(name, try_suffixes=(".weight",))
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert target is not None, name
         if data.ndim == 1 or qtype == "F32":
             writer.add_tensor(target, data.astype(np.float32))
@@ -1519,15 +1541,59 @@ def test_convert_to_hf_reads_llama_3_rope_scaling_from_the_gguf_factor_table(
 
 
 def test_convert_to_hf_refuses_a_gguf_architecture_it_does_not_map(tmp_path: Path) -> None:
-    """A GGUF of an architecture ckpt has no rules for (a `qwen2`, whose q/k/v biases the
-    Llama rules do not carry) is refused naming its architecture (exit 4), nothing written."""
-    src = tmp_path / "qwen.gguf"
-    _llama_gguf(src, "F32", architecture="qwen2")
+    """A GGUF of an architecture ckpt has no rules for (a `gemma`) is refused naming its
+    architecture (exit 4), nothing written; a `qwen2` file holding a Llama's tensors (no q/k/v
+    biases) is refused as metadata and tensors that disagree."""
+    src = tmp_path / "gemma.gguf"
+    _llama_gguf(src, "F32", architecture="gemma")
     result = run_ckpt("convert", src, tmp_path / "hf", "--to", "hf")
     assert result.exit_code == 4, result.stderr
-    assert "llama.cpp architecture 'qwen2'" in result.stderr
+    assert "llama.cpp architecture 'gemma'" in result.stderr
     assert "--to safetensors" in result.stderr
     assert not (tmp_path / "hf").exists()
+    src = tmp_path / "qwen2.gguf"
+    _llama_gguf(src, "F32", architecture="qwen2", bias=False)
+    result = run_ckpt("convert", src, tmp_path / "hf", "--to", "hf")
+    assert result.exit_code == 4, result.stderr
+    assert "architecture 'qwen2', but its tensors are named as a Llama 3" in result.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_convert_to_hf_maps_a_qwen2_gguf(tmp_path: Path) -> None:
+    """`convert qwen2.gguf out/ --to hf` was refused ("llama.cpp architecture 'qwen2', which
+    ckpt does not map"), though Qwen2 and Qwen2.5 are among the most downloaded GGUFs. A
+    llama.cpp `qwen2` file (q/k/v biases, rows as they are) now exports as a
+    `Qwen2ForCausalLM` folder: equal bit for bit to transformers' own GGUF load and, from F32,
+    to the model it was written from (biases included); tied embeddings (Qwen2.5-0.5B's) and
+    Q8_0 weights with --dequantize too."""
+    from transformers import AutoModelForCausalLM
+
+    for qtype, tied in (("F32", False), ("Q8_0", True)):
+        src = tmp_path / qtype / "model.gguf"
+        src.parent.mkdir()
+        original = _llama_gguf(src, qtype, architecture="qwen2", tied=tied)
+        out = tmp_path / f"{qtype}-hf"
+        options = ["--dequantize"] if qtype == "Q8_0" else []
+        result = run_ckpt("convert", src, out, "--to", "hf", "--dtype", "fp32", *options)
+        assert result.exit_code == 0, result.stderr
+        assert "qwen2: gguf names -> hf names" in result.stdout
+        config = json.loads((out / "config.json").read_text())
+        assert (config["architectures"], config["model_type"]) == (["Qwen2ForCausalLM"], "qwen2")
+        assert config["tie_word_embeddings"] is tied
+        assert "attention_bias" not in config  # Qwen2 reads none: its biases are always there
+        reference = AutoModelForCausalLM.from_pretrained(
+            src.parent, gguf_file=src.name, dtype=torch.float32
+        ).state_dict()
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        assert type(model).__name__ == "Qwen2ForCausalLM"
+        got = model.state_dict()
+        assert set(got) == set(reference)
+        assert "model.layers.1.self_attn.v_proj.bias" in got
+        for name, tensor in got.items():
+            assert torch.equal(tensor, reference[name]), (qtype, name)
+        if qtype == "F32":
+            for name, tensor in got.items():
+                assert torch.equal(tensor, original[name]), name
 
 
 def test_convert_to_hf_maps_a_qwen3_gguf(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""llama.cpp's GGUF naming of a Llama and a Qwen3, and the model args its metadata holds.
+"""llama.cpp's GGUF naming of a Llama, a Qwen2 and a Qwen3, and the model args its metadata
+holds.
 
 llama.cpp's `convert_hf_to_gguf.py` writes a `LlamaForCausalLM` (and a Mistral, which it
 converts as a Llama) under its own names: `model.layers.0.self_attn.q_proj.weight` becomes
@@ -7,7 +8,8 @@ layout (`LlamaModel.permute`, what ggml's rope of a `llama` file expects), so on
 they are permuted into transformers' halves layout (`RotaryPermute`, exactly what
 transformers' own GGUF loader's `_reverse_permute_weights` does). The rest are renames. A
 Qwen3 (`qwen3` files: ggml's NEOX rope, the halves layout) is written with its rows as they
-are, and its q/k norms as `attn_q_norm` / `attn_k_norm`: renames only.
+are, and its q/k norms as `attn_q_norm` / `attn_k_norm`: renames only. A Qwen2 (and Qwen2.5:
+`qwen2` files, NEOX rope too) is a Llama with q/k/v biases (`attn_q.bias`...): renames only.
 
 A GGUF holds no `config.json`: the model's settings are metadata key-values
 (`llama.block_count`, `llama.attention.head_count`, `llama.rope.freq_base`...), read here into
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 GGUF = "gguf"
 
 #: llama.cpp `general.architecture` -> the family token whose `gguf` naming maps it
-ARCHITECTURES = {"llama": "llama3", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 #: (Hugging Face pattern, llama.cpp pattern) of the tensors renamed as they are
 RENAMES = (
@@ -61,6 +63,12 @@ QK_NORMS = (
     ("model.layers.{layer}.self_attn.q_norm.weight", "blk.{layer}.attn_q_norm.weight"),
     ("model.layers.{layer}.self_attn.k_norm.weight", "blk.{layer}.attn_k_norm.weight"),
 )
+#: Qwen2's q/k/v projection biases
+QKV_BIASES = (
+    ("model.layers.{layer}.self_attn.q_proj.bias", "blk.{layer}.attn_q.bias"),
+    ("model.layers.{layer}.self_attn.k_proj.bias", "blk.{layer}.attn_k.bias"),
+    ("model.layers.{layer}.self_attn.v_proj.bias", "blk.{layer}.attn_v.bias"),
+)
 #: llama.cpp's table of rotary frequency factors (Llama 3.1's rope scaling)
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -77,7 +85,7 @@ def to_hf_names(shapes: Mapping[str, Sequence[int]]) -> dict[str, Sequence[int]]
     import re
 
     out: dict[str, Sequence[int]] = {}
-    for hf, native in (*RENAMES, Q, K, *QK_NORMS):
+    for hf, native in (*RENAMES, Q, K, *QK_NORMS, *QKV_BIASES):
         regex = re.compile(re.escape(native).replace(r"\{layer\}", r"(\d+)") + r"\Z")
         for name, shape in shapes.items():
             m = regex.match(name)
@@ -93,8 +101,7 @@ def gguf_architecture(checkpoint: Checkpoint) -> str | None:
 
 def unmapped(checkpoint: Checkpoint, target: str) -> FormatError | None:
     """The error for a GGUF whose `general.architecture` no family's `gguf` naming maps (a
-    `qwen2`, whose q/k/v biases the Llama rules do not carry; a `gemma`...); None for any
-    other source."""
+    `gemma`, a `phi3`...); None for any other source."""
     architecture = gguf_architecture(checkpoint)
     if architecture is None or architecture in ARCHITECTURES:
         return None

@@ -1,4 +1,5 @@
-"""Llama 3 and Qwen3 (dense and MoE): Hugging Face names against torchtitan 0.3's.
+"""Llama 3 and Qwen3 (dense and MoE): Hugging Face names against torchtitan 0.3's (and
+Qwen2 against llama.cpp's GGUF names).
 
 The rules are those of torchtitan 0.3.0's own `Llama3StateDictAdapter` and
 `Qwen3StateDictAdapter` (`torchtitan/models/{llama3,qwen3}/state_dict_adapter.py`), stated
@@ -380,6 +381,44 @@ class Llama3(_Decoder):
         MEGATRON: MEGATRON_IGNORED,
         GGUF: (Ignored(gguf.ROPE_FREQS, "rotary frequency factors (config.json's rope_scaling)"),),
     }
+
+
+class Qwen2(_Decoder):
+    """Qwen2 and Qwen2.5 (a Llama with q/k/v biases, halves RoPE): llama.cpp's `qwen2` GGUF
+    names against transformers' `Qwen2ForCausalLM`. torchtitan has no Qwen2."""
+
+    name = "qwen2"
+    title = "Qwen2"
+    hf_model_types = ("qwen2",)
+    hf_architecture = "Qwen2ForCausalLM"
+    hf_model_type = "qwen2"
+    rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
+        # llama.cpp writes a Qwen2's q/k rows as they are (NEOX rope: the halves layout)
+        GGUF: _renames((*gguf.RENAMES, gguf.Q, gguf.K, *gguf.QKV_BIASES)),
+    }
+    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {HF: _HF_IGNORED}
+    markers: ClassVar[Mapping[str, Sequence[str]]] = {
+        HF: (gguf.QKV_BIASES[0][0],),
+        GGUF: (gguf.QKV_BIASES[0][1],),
+    }
+    # a model with an o_proj bias too is a Llama with attention_bias, no Qwen2
+    excluders: ClassVar[Mapping[str, Sequence[str]]] = {
+        HF: ("model.layers.{layer}.self_attn.o_proj.bias",),
+        GGUF: ("blk.{layer}.attn_output.bias",),
+    }
+
+    @classmethod
+    def config_conflicts(cls, config: Mapping[str, Any]) -> list[str]:
+        # Qwen2Attention builds its q/k/v biases whatever the config says, and the rules map
+        # them; it reads no attention_bias or mlp_bias
+        return []
+
+    @classmethod
+    def hf_config(cls, args: ModelArgs) -> dict[str, Any]:
+        config = super().hf_config(args)
+        if args.config is None:
+            del config["attention_bias"]  # no key of Qwen2Config: its biases are always there
+        return config
 
 
 class Qwen3(_Decoder):
