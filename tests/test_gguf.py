@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -1622,6 +1623,160 @@ def test_convert_to_hf_maps_a_qwen3_gguf(tmp_path: Path) -> None:
                 src.parent, gguf_file=src.name, dtype=torch.float32
             ).state_dict()
             assert all(torch.equal(got[n], reference[n]) for n in reference)
+
+
+def _qwen3_moe_gguf(path: Path, qtype: str, *, moe_ffn: int = 32) -> dict[str, torch.Tensor]:
+    """A tiny random `Qwen3MoeForCausalLM` (4 experts, 2 per token) written as llama.cpp's
+    `convert_hf_to_gguf.py` writes a Qwen3-MoE: each layer's experts stacked into
+    `ffn_{gate,up,down}_exps` (`[E, F, D]` / `[E, D, F]` row-major), the router as
+    `ffn_gate_inp`, the metadata its loader reads; 2-D and 3-D weights in `qtype`, norms F32.
+    Returns the model's state dict as saved (one tensor per expert)."""
+    import gguf
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    experts, layers = 4, 2
+    config = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=moe_ffn,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    saved = path.parent / "hf-original"
+    Qwen3MoeForCausalLM(config).save_pretrained(saved)
+    state = load_file(saved / "model.safetensors")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, layers)
+    writer = GGUFWriter(str(path), "qwen3moe")
+    writer.add_name("tiny")
+    writer.add_block_count(layers)
+    writer.add_context_length(128)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(96)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_key_length(16)
+    writer.add_value_length(16)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(2)
+    writer.add_expert_feed_forward_length(moe_ffn)
+    writer.add_vocab_size(64)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(64)])
+
+    def add(target: str, data: np.ndarray) -> None:
+        if data.ndim == 1 or qtype == "F32":
+            writer.add_tensor(target, data.astype(np.float32))
+        else:
+            kind = GGMLQuantizationType[qtype]
+            blocks = quantize(data, kind)
+            writer.add_tensor(target, blocks, raw_shape=blocks.shape, raw_dtype=kind)
+
+    for name, tensor in state.items():
+        if ".mlp.experts." in name:
+            continue  # stacked below, as llama.cpp's converter stacks them
+        target = names.get_name(name, try_suffixes=(".weight",))
+        assert target is not None, name
+        add(target, tensor.float().numpy())
+    for layer in range(layers):
+        for proj, short in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            stack = [
+                state[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"].float().numpy()
+                for e in range(experts)
+            ]
+            add(f"blk.{layer}.ffn_{short}_exps.weight", np.stack(stack))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return state
+
+
+def test_convert_to_hf_maps_a_qwen3_moe_gguf(tmp_path: Path) -> None:
+    """`convert qwen3moe.gguf out/ --to hf` was refused ("llama.cpp architecture 'qwen3moe',
+    which ckpt does not map"). A llama.cpp `qwen3moe` file (router `ffn_gate_inp`, each
+    layer's experts stacked `[E, F, D]` in `ffn_*_exps`) now exports as a
+    `Qwen3MoeForCausalLM` folder, one tensor per expert as save_pretrained writes them, with
+    the expert count, experts per token, expert width and llama.cpp's renormalised top-k in
+    config.json: from F32 equal to the model it was written from; from Q8_0 (--dequantize),
+    at the expert width 768 transformers' own GGUF load assumes (it reads none), equal to that
+    load bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "f32" / "model.gguf"
+    src.parent.mkdir()
+    original = _qwen3_moe_gguf(src, "F32")
+    out = tmp_path / "f32-hf"
+    result = run_ckpt("convert", src, out, "--to", "hf")
+    assert result.exit_code == 0, result.stderr
+    assert "qwen3-moe: gguf names -> hf names" in result.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (config["num_experts"], config["num_experts_per_tok"]) == (4, 2)
+    assert (config["moe_intermediate_size"], config["norm_topk_prob"]) == (32, True)
+    got = load_file(out / "model.safetensors")
+    assert set(got) == set(original)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, original[name]), name
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+
+    src = tmp_path / "q8" / "model.gguf"
+    src.parent.mkdir()
+    _qwen3_moe_gguf(src, "Q8_0", moe_ffn=768)
+    out = tmp_path / "q8-hf"
+    result = run_ckpt("convert", src, out, "--to", "hf", "--dequantize", "--dtype", "fp32")
+    assert result.exit_code == 0, result.stderr
+    reference = AutoModelForCausalLM.from_pretrained(
+        src.parent, gguf_file=src.name, dtype=torch.float32
+    ).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert set(got) == set(reference)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+def _counting(read: Any, lengths: list[int]) -> Any:
+    """`read` (a storage's `read(rel, offset, length)`) recording each length it is asked."""
+
+    def counted(rel: str, offset: int, length: int) -> bytes:
+        lengths.append(length)
+        data: bytes = read(rel, offset, length)
+        return data
+
+    return counted
+
+
+def test_one_expert_of_a_gguf_expert_stack_reads_only_its_own_bytes(tmp_path: Path) -> None:
+    """`--to hf` of a Qwen3-MoE GGUF writes each expert from its box of the layer's stack.
+    Reading one box read (and, quantized, decoded) the whole stack: E times the work per
+    tensor, hours for a 128-expert model. A box along the experts' dimension now reads only
+    that expert's bytes (its blocks, whole, for a quantized stack), with the same values."""
+    from ckpt_cli.formats import open_checkpoint
+    from ckpt_cli.quant.dequant import BlockDequantizedCheckpoint
+
+    for qtype in ("F32", "Q8_0"):
+        src = tmp_path / qtype / "model.gguf"
+        src.parent.mkdir()
+        _qwen3_moe_gguf(src, qtype)
+        checkpoint = open_checkpoint(str(src))
+        name = "blk.1.ffn_down_exps.weight"
+        entry = checkpoint.manifest.by_name[name]
+        experts, rows, cols = entry.shape
+        view = checkpoint if qtype == "F32" else BlockDequantizedCheckpoint(checkpoint, "float32")
+        whole = view.read_tensor(name)
+        reads: list[int] = []
+        checkpoint.storage.read = _counting(checkpoint.storage.read, reads)  # type: ignore[method-assign]
+        for expert in range(experts):
+            reads.clear()
+            box = view.read_slice(name, [expert, 0, 0], [1, rows, cols])
+            assert torch.equal(box, whole[expert : expert + 1]), (qtype, expert)
+            assert sum(reads) == entry.nbytes // experts, (qtype, reads)
+        # a box that is no run of whole experts is still read right
+        assert torch.equal(view.read_slice(name, [1, 2, 0], [2, 3, cols]), whole[1:3, 2:5])
 
 
 def test_convert_to_hf_of_a_quantized_gguf_asks_for_dequantize(tmp_path: Path) -> None:

@@ -10,6 +10,9 @@ transformers' own GGUF loader's `_reverse_permute_weights` does). The rest are r
 Qwen3 (`qwen3` files: ggml's NEOX rope, the halves layout) is written with its rows as they
 are, and its q/k norms as `attn_q_norm` / `attn_k_norm`: renames only. A Qwen2 (and Qwen2.5:
 `qwen2` files, NEOX rope too) is a Llama with q/k/v biases (`attn_q.bias`...): renames only.
+A Qwen3-MoE (`qwen3moe`) is a Qwen3 whose MLP is a router (`ffn_gate_inp`) and experts,
+stacked per layer (`ffn_gate_exps` `[E, F, D]`...) where transformers' files hold one tensor
+per expert: unstacked, each expert read from its own box.
 
 A GGUF holds no `config.json`: the model's settings are metadata key-values
 (`llama.block_count`, `llama.attention.head_count`, `llama.rope.freq_base`...), read here into
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
 GGUF = "gguf"
 
 #: llama.cpp `general.architecture` -> the family token whose `gguf` naming maps it
-ARCHITECTURES = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3-moe"}
 
 #: (Hugging Face pattern, llama.cpp pattern) of the tensors renamed as they are
 RENAMES = (
@@ -69,6 +72,14 @@ QKV_BIASES = (
     ("model.layers.{layer}.self_attn.k_proj.bias", "blk.{layer}.attn_k.bias"),
     ("model.layers.{layer}.self_attn.v_proj.bias", "blk.{layer}.attn_v.bias"),
 )
+#: an MoE layer's router
+ROUTER = ("model.layers.{layer}.mlp.gate.weight", "blk.{layer}.ffn_gate_inp.weight")
+#: an MoE layer's experts, stacked `[E, F, D]` (`[E, D, F]` down) by llama.cpp
+EXPERTS = (
+    ("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight", "blk.{layer}.ffn_gate_exps.weight"),
+    ("model.layers.{layer}.mlp.experts.{expert}.up_proj.weight", "blk.{layer}.ffn_up_exps.weight"),
+    ("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight", "blk.{layer}.ffn_down_exps.weight"),
+)  # fmt: skip
 #: llama.cpp's table of rotary frequency factors (Llama 3.1's rope scaling)
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -85,11 +96,15 @@ def to_hf_names(shapes: Mapping[str, Sequence[int]]) -> dict[str, Sequence[int]]
     import re
 
     out: dict[str, Sequence[int]] = {}
-    for hf, native in (*RENAMES, Q, K, *QK_NORMS, *QKV_BIASES):
+    for hf, native in (*RENAMES, Q, K, *QK_NORMS, *QKV_BIASES, ROUTER, *EXPERTS):
         regex = re.compile(re.escape(native).replace(r"\{layer\}", r"(\d+)") + r"\Z")
         for name, shape in shapes.items():
             m = regex.match(name)
-            if m:
+            if not m:
+                continue
+            if "{expert}" in hf:  # a stack of experts: the shape of its first
+                out[hf.format(layer=int(m.group(1)), expert=0)] = shape[1:]
+            else:
                 out[hf.format(layer=int(m.group(1))) if m.groups() else hf] = shape
     return out
 
@@ -248,6 +263,17 @@ def args_from_metadata(checkpoint: Checkpoint, family: str, title: str) -> Model
         metadata.get("tokenizer.ggml.eos_token_id"),
     )
     bos, eos = (t if isinstance(t, int) and not isinstance(t, bool) else None for t in tokens)
+    experts = integer("expert_count")
+    moe: dict[str, Any] = {}
+    if experts:
+        moe = {
+            "num_experts": experts,
+            "experts_per_token": integer("expert_used_count"),
+            "moe_ffn_dim": integer("expert_feed_forward_length"),
+            # llama.cpp's qwen3moe graph renormalises the top-k weights, whatever the
+            # original config said (transformers' own GGUF load sets it so too)
+            "norm_topk_prob": True,
+        }
     return ModelArgs(
         dim=dim,
         n_layers=integer("block_count"),
@@ -262,6 +288,7 @@ def args_from_metadata(checkpoint: Checkpoint, family: str, title: str) -> Model
         max_position_embeddings=integer("context_length"),
         bos_token_id=bos,
         eos_token_id=eos,
+        **moe,
     )
 
 

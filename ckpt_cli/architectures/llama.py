@@ -458,17 +458,26 @@ class Qwen3Moe(_Decoder):
         TITAN: [
             *_renames((*_COMMON, _Q, _K, *_QK_NORMS, *_DENSE_MLP, *_ROUTER)),
             *(Experts(one(hf), one(native)) for hf, native in _MOE_EXPERTS),
-        ]
+        ],
+        # llama.cpp's qwen3moe: a Qwen3's names, its router, its experts stacked per layer
+        GGUF: [
+            *_renames((*gguf.RENAMES, gguf.Q, gguf.K, *gguf.QK_NORMS, gguf.ROUTER)),
+            *(Experts(one(hf), one(native)) for hf, native in gguf.EXPERTS),
+        ],
     }
     ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {HF: _HF_IGNORED, TITAN: _TITAN_IGNORED}
     markers: ClassVar[Mapping[str, Sequence[str]]] = {
         HF: (_ROUTER[0][0],),
         TITAN: (_ROUTER[0][1],),
+        GGUF: (gguf.ROUTER[1],),
     }
     # a model may hold dense MLP layers between its MoE ones (mlp_only_layers), or none
     optional: ClassVar[Mapping[str, Sequence[str]]] = {
         HF: tuple(hf for hf, _ in _DENSE_MLP),
         TITAN: tuple(native for _, native in _DENSE_MLP),
+        GGUF: tuple(
+            native for _, native in gguf.RENAMES if ".ffn_" in native and "norm" not in native
+        ),
     }
     # ...so each layer holds a whole dense MLP or a whole MoE block
     layer_variants: ClassVar[Sequence[Sequence[str]]] = (

@@ -31,7 +31,7 @@ registry (`ckpt_cli.formats.get_format`), so no operation compares format names.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -101,6 +101,19 @@ class RecordedDamage(NamedTuple):
 
     error: CorruptDataError
     tensor: str | None = None
+
+
+def leading_slab(
+    shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
+) -> tuple[int, int] | None:
+    """(first, count) when the box `offsets`/`sizes` of a tensor of `shape` is a run of whole
+    slices along dim 0 (experts `e..e+count` of a stacked `[E, ...]` tensor): its bytes are
+    one range of a C-order tensor's. None for any other box."""
+    if not shape or len(offsets) != len(shape) or len(sizes) != len(shape):
+        return None
+    if any(offsets[1:]) or list(sizes[1:]) != list(shape[1:]):
+        return None
+    return offsets[0], sizes[0]
 
 
 class Checkpoint(ABC):
@@ -220,9 +233,11 @@ class Checkpoint(ABC):
         --dequantize` and `diff --dequantize` read them dequantized; none by default."""
         return {}
 
-    def read_dequantized(self, name: str) -> torch.Tensor:
+    def read_dequantized(self, name: str, leading: tuple[int, int] | None = None) -> torch.Tensor:
         """The float32 values of block-quantized entry `name` (`block_quantized`), decoded as
-        the format's reference decoder does, one tensor in memory at a time."""
+        the format's reference decoder does, one tensor in memory at a time; with `leading`
+        (first, count), only those slices along dim 0 (`leading_slab`: one expert of a
+        stack)."""
         raise FormatError(
             f"entry {name!r} is not block-quantized",
             path=self.manifest.location,

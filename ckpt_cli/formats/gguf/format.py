@@ -38,7 +38,7 @@ from ...errors import FormatError, NotFoundError
 from ...findings import problem_from_error
 from ...models import Entry, FileInfo, Manifest, Problem, ProblemList
 from ...storage.fileio import COPY_BLOCK
-from ..base import NAMES_FIX, Checkpoint, Format, Source
+from ..base import NAMES_FIX, Checkpoint, Format, Source, leading_slab
 from ..details import GgufDetails
 
 if TYPE_CHECKING:
@@ -574,6 +574,23 @@ class GgufCheckpoint(Checkpoint):
         size = self._swapped(entry)
         return tensor_from_bytes(byteswap(data, size) if size else data, entry.dtype, entry.shape)
 
+    def read_slice(self, name: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        """A box of a tensor; a run of whole slices along dim 0 (one expert of a stack) reads
+        only its own bytes, not the whole tensor's."""
+        from ...tensors import tensor_from_bytes
+
+        entry = self.manifest.by_name.get(name)
+        slab = leading_slab(entry.shape, offsets, sizes) if entry is not None else None
+        if entry is None or slab is None or entry.kind != "tensor" or entry.offset is None:
+            return super().read_slice(name, offsets, sizes)
+        assert entry.file is not None and entry.dtype is not None
+        first, count = slab
+        per = dtypes.numel(entry.shape[1:]) * dtypes.itemsize(entry.dtype)
+        data = self.storage.read(entry.file, entry.offset + first * per, count * per)
+        size = self._swapped(entry)
+        shape = [count, *entry.shape[1:]]
+        return tensor_from_bytes(byteswap(data, size) if size else data, entry.dtype, shape)
+
     def iter_raw(self, name: str, block: int = COPY_BLOCK) -> Iterator[bytes]:
         entry = self.manifest.by_name[name]
         size = self._swapped(entry)
@@ -617,10 +634,15 @@ class GgufCheckpoint(Checkpoint):
         if self.stored_as(name) is None or entry.file is None or entry.offset is None:
             yield from super().iter_stored(name, block)
             return
+        yield from self._iter_blocks(entry, block, 0, entry.nbytes)
+
+    def _iter_blocks(self, entry: Entry, block: int, start: int, length: int) -> Iterator[bytes]:
+        """`length` stored bytes of quantized `entry` from byte `start` (whole blocks), in
+        pieces of about `block` bytes, a big-endian file's swapped as `iter_stored` says."""
         layout = self._big_endian_blocks(entry)
         if layout is not None:
             block = max(block // layout[0], 1) * layout[0]  # whole blocks, swapped in place
-        for data in self._iter_as_stored(entry, block):
+        for data in self._iter_as_stored(entry, block, start, length):
             yield data if layout is None else swap_block_fields(data, *layout)
 
     def stored_nonfinite(self, name: str) -> tuple[int, int, int, int] | None:
@@ -671,10 +693,11 @@ class GgufCheckpoint(Checkpoint):
             found[entry.name] = why
         return found
 
-    def read_dequantized(self, name: str) -> torch.Tensor:
+    def read_dequantized(self, name: str, leading: tuple[int, int] | None = None) -> torch.Tensor:
         """The float32 values gguf's `gguf.quants.dequantize` gives for the tensor's blocks
         (a big-endian file's read little-endian, `iter_stored`), decoded a few MiB of blocks
-        at a time into the one output tensor."""
+        at a time into the one output tensor; with `leading` (first, count), only the blocks
+        of those slices along dim 0 (one expert of a stack), when each is whole blocks."""
         import numpy as np
         import torch
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -693,10 +716,21 @@ class GgufCheckpoint(Checkpoint):
             )
         kind = GGMLQuantizationType[entry.dtype or ""]
         per_block, type_size = GGML_QUANT_SIZES[kind]
-        out = np.empty(dtypes.numel(entry.shape), dtype=np.float32)
+        shape = list(entry.shape)
+        start, length = 0, entry.nbytes
+        per_slice = dtypes.numel(entry.shape[1:]) if entry.shape else 0
+        if leading is not None and per_slice and per_slice % per_block == 0:
+            blocks_per_slice = per_slice // per_block
+            start = leading[0] * blocks_per_slice * type_size
+            length = leading[1] * blocks_per_slice * type_size
+            shape = [leading[1], *entry.shape[1:]]
+        elif leading is not None:  # slices that split a block: decode it all, then cut
+            whole = self.read_dequantized(name)
+            return whole[leading[0] : leading[0] + leading[1]].clone()
+        out = np.empty(dtypes.numel(shape), dtype=np.float32)
         step = max(_DECODE_BYTES // type_size, 1) * type_size
         done = 0
-        for data in self.iter_stored(name, step):
+        for data in self._iter_blocks(entry, step, start, length):
             if len(data) % type_size:
                 raise FormatError(
                     f"{name!r} ({entry.dtype}) ends inside a block",
@@ -710,7 +744,7 @@ class GgufCheckpoint(Checkpoint):
             done += count
         if entry.file in self.big_endian:
             self._refuse_little_endian_blocks(name, int((~np.isfinite(out)).sum()), per_block)
-        return torch.from_numpy(out).reshape(entry.shape)
+        return torch.from_numpy(out).reshape(shape)
 
     def _refuse_little_endian_blocks(self, name: str, nonfinite: int, per_block: int) -> None:
         """Refuse the values of a big-endian file's tensor whose blocks were written
@@ -764,12 +798,16 @@ class GgufCheckpoint(Checkpoint):
             inf += int(np.isinf(decoded).sum())
         return read, values, nan, inf
 
-    def _iter_as_stored(self, entry: Entry, block: int) -> Iterator[bytes]:
-        """Entry's bytes as they lie in its file, in blocks of `block` bytes."""
+    def _iter_as_stored(
+        self, entry: Entry, block: int, start: int = 0, length: int | None = None
+    ) -> Iterator[bytes]:
+        """Entry's bytes as they lie in its file (`length` of them from byte `start`; all by
+        default), in blocks of `block` bytes."""
         assert entry.file is not None and entry.offset is not None
-        done = 0
-        while done < entry.nbytes:
-            n = min(block, entry.nbytes - done)
+        end = entry.nbytes if length is None else start + length
+        done = start
+        while done < end:
+            n = min(block, end - done)
             yield self.storage.read(entry.file, entry.offset + done, n)
             done += n
 
