@@ -1779,6 +1779,82 @@ def test_one_expert_of_a_gguf_expert_stack_reads_only_its_own_bytes(tmp_path: Pa
         assert torch.equal(view.read_slice(name, [1, 2, 0], [2, 3, cols]), whole[1:3, 2:5])
 
 
+def test_convert_to_hf_of_a_k_quant_gguf_equals_transformers_own_load(tmp_path: Path) -> None:
+    """A Llama GGUF of K-quant weights (each of Q2_K...Q6_K, as a Q4_K_M or Q6_K download mixes
+    them; random blocks with plausible fp16 scales in each type's own scale fields, since
+    gguf's numpy code cannot quantize them) exports with `--to hf --dequantize --dtype fp32`
+    to the state dict transformers' own GGUF load builds, bit for bit: every block decoded as
+    `gguf.quants.dequantize` decodes it, q/k rows permuted back after decoding."""
+    import gguf
+    from gguf import GGUFWriter
+    from transformers import AutoModelForCausalLM
+
+    from ckpt_cli.formats.gguf.format import BLOCK_FIELDS
+
+    rng = np.random.default_rng(11)
+
+    def k_blocks(kind: str, rows: int, cols: int) -> np.ndarray:
+        qtype = gguf.GGMLQuantizationType[kind]
+        _, size = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+        for start, width in BLOCK_FIELDS[kind]:  # each fp16 d / dmin: a small scale
+            scale = rng.uniform(1e-3, 1e-2, len(blocks)).astype("<f2").view(np.uint8)
+            blocks[:, start : start + width] = scale.reshape(-1, width)
+        return blocks.reshape(rows, cols // 256 * size)
+
+    dim, ffn, layers = 256, 512, 2
+    path = tmp_path / "model.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(128)
+    writer.add_embedding_length(dim)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_rope_dimension_count(dim // 4)
+    writer.add_vocab_size(64)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}" for i in range(64)])
+
+    def add(name: str, kind: str, rows: int, cols: int) -> None:
+        qtype = gguf.GGMLQuantizationType[kind]
+        blocks = k_blocks(kind, rows, cols)
+        writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+
+    add("token_embd.weight", "Q6_K", 64, dim)
+    for n in range(layers):
+        add(f"blk.{n}.attn_q.weight", "Q4_K", dim, dim)
+        add(f"blk.{n}.attn_k.weight", "Q5_K", dim // 2, dim)
+        add(f"blk.{n}.attn_v.weight", "Q6_K", dim // 2, dim)
+        add(f"blk.{n}.attn_output.weight", "Q3_K", dim, dim)
+        add(f"blk.{n}.ffn_gate.weight", "Q2_K", ffn, dim)
+        add(f"blk.{n}.ffn_up.weight", "Q4_K", ffn, dim)
+        add(f"blk.{n}.ffn_down.weight", "Q5_K", dim, ffn)
+        writer.add_tensor(f"blk.{n}.attn_norm.weight", rng.standard_normal(dim).astype(np.float32))
+        writer.add_tensor(f"blk.{n}.ffn_norm.weight", rng.standard_normal(dim).astype(np.float32))
+    writer.add_tensor("output_norm.weight", rng.standard_normal(dim).astype(np.float32))
+    add("output.weight", "Q6_K", 64, dim)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert set(_types(path).values()) == {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F32"}
+
+    out = tmp_path / "hf"
+    result = run_ckpt("convert", path, out, "--to", "hf", "--dequantize", "--dtype", "fp32")
+    assert result.exit_code == 0, result.stderr
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert set(got) == set(reference)
+    for name, tensor in got.items():
+        assert torch.isfinite(tensor).all(), name
+        assert torch.equal(tensor, reference[name]), name
+
+
 def test_convert_to_hf_of_a_quantized_gguf_asks_for_dequantize(tmp_path: Path) -> None:
     """`--to hf` of a Q8_0 GGUF without `--dequantize` said "no known model architecture
     matches these 5 tensor names ... needs tensors this model lacks: 'token_embd.weight'", as
