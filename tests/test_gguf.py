@@ -1901,6 +1901,62 @@ def test_convert_to_hf_refuses_gguf_metadata_that_does_not_fit_the_tensors(
     assert not (tmp_path / "hf").exists()
 
 
+def _with_metadata(src: Path, out: Path, changes: dict[str, tuple[object, object]]) -> Path:
+    """`src` (a `llama` GGUF) written again with the metadata `changes` (key -> (value, gguf
+    value type)) in place of its own, its tensors as they are."""
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(str(src))
+    writer = GGUFWriter(str(out), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith(("llama.", "tokenizer.")):
+            value, kind = changes.get(key, (field.contents(), field.types[0]))
+            writer.add_key_value(key, value, kind, field.types[-1])  # type: ignore[arg-type]
+    for key, (value, kind) in changes.items():
+        if key not in reader.fields:
+            writer.add_key_value(key, value, kind)  # type: ignore[arg-type]
+    for tensor in reader.tensors:
+        shape = [int(n) for n in reversed(tensor.shape)]
+        writer.add_tensor(tensor.name, np.array(tensor.data).reshape(shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_convert_to_hf_refuses_gguf_metadata_no_model_has(tmp_path: Path) -> None:
+    """A GGUF whose metadata says 0 attention heads stopped `convert --to hf` with "internal
+    error: ZeroDivisionError ... This is a bug in ckpt" (exit 70); one whose rotary base is NaN
+    or infinite, whose norm epsilon is negative or whose context length is 0 was exported with
+    exit 0, into a config.json holding `"rope_theta": NaN` (no JSON at all) or -1.0. Each is
+    now refused (exit 4) naming the key and its value, as a config.json's are, nothing
+    written; an `expert_count` of 0 still means a dense model."""
+    from gguf import GGUFValueType
+
+    src = tmp_path / "model.gguf"
+    _llama_gguf(src, "F32")
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    cases = {
+        "heads": ("llama.attention.head_count", 0, u32),
+        "theta-nan": ("llama.rope.freq_base", float("nan"), f32),
+        "theta-inf": ("llama.rope.freq_base", float("inf"), f32),
+        "eps": ("llama.attention.layer_norm_rms_epsilon", -1.0, f32),
+        "context": ("llama.context_length", 0, u32),
+    }
+    for case, (key, value, kind) in cases.items():
+        bent = _with_metadata(src, tmp_path / f"{case}.gguf", {key: (value, kind)})
+        out = tmp_path / f"{case}-hf"
+        result = run_ckpt("convert", bent, out, "--to", "hf")
+        assert result.exit_code == 4, (case, result.stderr)
+        assert f"{key} = {value!r}" in result.stderr, (case, result.stderr)
+        assert "bug in ckpt" not in result.stderr
+        assert not out.exists(), case
+    dense = _with_metadata(src, tmp_path / "dense.gguf", {"llama.expert_count": (0, u32)})
+    result = run_ckpt("convert", dense, tmp_path / "dense-hf", "--to", "hf")
+    assert result.exit_code == 0, result.stderr
+
+
 def test_convert_to_hf_of_a_split_gguf_names_its_first_file_for_the_tokenizer(
     tmp_path: Path,
 ) -> None:

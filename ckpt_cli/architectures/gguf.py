@@ -226,12 +226,24 @@ def args_from_metadata(checkpoint: Checkpoint, family: str, title: str) -> Model
             "--to safetensors to keep llama.cpp's names and settings.",
         )
 
-    def integer(name: str) -> int | None:
+    def no_model(name: str, value: object, why: str) -> FormatError:
+        # a value no model has (0 heads, a NaN rotary base): damage, refused as a
+        # config.json's are (`checked_args`), before any rule divides by it
+        return FormatError(
+            f"the GGUF's metadata says {architecture}.{name} = {value!r}, a value no model has "
+            f"({why})",
+            path=where,
+            fix="The file's metadata is damaged or was edited: convert the model to GGUF again.",
+        )
+
+    def integer(name: str, *, positive: bool = True) -> int | None:
         value = key(name)
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             raise refuse(f"{architecture}.{name} = {value!r} (one value per layer, or no integer)")
+        if value < 0 or (positive and value == 0):
+            raise no_model(name, value, "a count or width is positive")
         return value
 
     def number(name: str) -> float | None:
@@ -240,6 +252,8 @@ def args_from_metadata(checkpoint: Checkpoint, family: str, title: str) -> Model
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise refuse(f"{architecture}.{name} = {value!r} (no number)")
+        if not (math.isfinite(value) and value >= 0):
+            raise no_model(name, value, "it is a finite number, 0 or more")
         return _float32(float(value))
 
     dim = integer("embedding_length")
@@ -263,7 +277,7 @@ def args_from_metadata(checkpoint: Checkpoint, family: str, title: str) -> Model
         metadata.get("tokenizer.ggml.eos_token_id"),
     )
     bos, eos = (t if isinstance(t, int) and not isinstance(t, bool) else None for t in tokens)
-    experts = integer("expert_count")
+    experts = integer("expert_count", positive=False)  # 0: a dense model
     moe: dict[str, Any] = {}
     if experts:
         moe = {
