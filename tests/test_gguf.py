@@ -427,6 +427,37 @@ def test_an_unreadable_gguf_version_or_alignment_is_named(tmp_path: Path) -> Non
     assert problem["fix"] and "download it again" not in problem["message"] + problem["fix"]
 
 
+def test_a_gguf_block_type_the_gguf_package_does_not_know_is_named(tmp_path: Path) -> None:
+    """A tensor of a GGML type the installed gguf package does not know (a block type llama.cpp
+    added after it: MXFP4 files met gguf releases that predate it) was "not a readable GGUF
+    file (ValueError: np.uint32(42) is not a valid GGMLQuantizationType) ... truncated or
+    corrupt; download it again", though a fresh download is the same bytes. It is now named:
+    the tensor, its type code, the package version, and the upgrade that reads it."""
+    import struct
+    from importlib.metadata import version
+
+    ok = _write(tmp_path / "ok.gguf", {"blk.0.attn_q.weight": np.ones((2, 32), np.float32)})
+    data = bytearray(ok.read_bytes())
+    info = struct.pack("<Q", 19) + b"blk.0.attn_q.weight" + struct.pack("<IQQ", 2, 32, 2)
+    at = data.index(info) + len(info)
+    assert struct.unpack("<I", data[at : at + 4]) == (0,)  # F32
+    data[at : at + 4] = struct.pack("<I", 42)
+    path = tmp_path / "new-type.gguf"
+    path.write_bytes(data)
+    for command, code in (("inspect", 4), ("convert", 4)):
+        args = (tmp_path / "out", "--to", "safetensors") if command == "convert" else ()
+        result = run_ckpt(command, path, *args, "--json")
+        assert result.exit_code == code, result.stdout
+        error = result.json["error"]
+        assert "'blk.0.attn_q.weight'" in error["message"] and "type 42" in error["message"]
+        assert f"gguf package ({version('gguf')})" in error["message"]
+        assert "pip install -U gguf" in error["fix"]
+    result = run_ckpt("verify", path, "--json")
+    assert result.exit_code == 1
+    (problem,) = result.json["result"]["problems"]
+    assert "type 42" in problem["message"] and "pip install -U gguf" in problem["fix"]
+
+
 def test_inspect_counts_quantized_tensors_with_their_logical_shape(tmp_path: Path) -> None:
     """inspect of a GGUF whose weights are Q8_0 / Q4_0 said "1 tensor, 256 parameters" (the
     norm alone), and --json gave its quantized entries shape [] and dtype null."""

@@ -282,6 +282,7 @@ def check_header(path: str, where: str) -> HeaderFacts:
             if tensors * (8 + 4 + 4 + 8) > size - head.pos:
                 raise head.error(f"{tensors:,} tensor infos cannot fit in the bytes left")
             infos: list[tuple[str, int, int, int]] = []
+            sizes = _sizes()
             for _ in range(tensors):
                 head.piece(TENSOR_INFO_PIECES - 1)  # its name is one more
                 name = head.string("a tensor name")
@@ -292,9 +293,10 @@ def check_header(path: str, where: str) -> HeaderFacts:
                 for _ in range(dims):
                     numel *= head.uint(8, "a tensor's dimension")
                 kind = head.uint(4, "a tensor's type")
+                if sizes and kind not in sizes:
+                    raise _unknown_type(name, kind, where)
                 infos.append((name, numel, kind, head.uint(8, "a tensor's offset")))
             start = -(-head.pos // alignment) * alignment
-            sizes = _sizes()
             past_end = []
             for name, numel, kind, offset in infos:
                 block, nbytes = sizes.get(kind, (0, 0))
@@ -302,6 +304,25 @@ def check_header(path: str, where: str) -> HeaderFacts:
                 if end > size:
                     past_end.append((name, end))
             return HeaderFacts(big_endian=head.order == ">", version=version, past_end=past_end)
+
+
+def _unknown_type(name: str, kind: int, where: str) -> FormatError:
+    """The error for a tensor of a GGML type code the installed gguf package does not know:
+    llama.cpp adds block types (MXFP4 came after gguf releases people still run), so the
+    file may be sound and the package old; a fresh download is the same bytes."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("gguf")
+    except PackageNotFoundError:  # pragma: no cover - declared in the gguf extra
+        installed = "unknown version"
+    return FormatError(
+        f"tensor {name!r} is stored as GGML type {kind}, which the installed gguf package "
+        f"({installed}) does not know: a block type newer than it, or a corrupt header",
+        path=where,
+        fix="Upgrade the gguf package (`pip install -U gguf`) and run again; if the type is "
+        "still unknown, the file is corrupt: download it again.",
+    )
 
 
 def _check_version(version: int, head: _Header) -> None:
