@@ -207,6 +207,59 @@ def test_a_gated_repo_opens_with_token_in_a_process_of_its_own(
     assert all(r.status != 401 for r in hub.log), [(r.path, r.status) for r in hub.log]
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_hub_asks_for_the_headers_while_the_index_is_on_its_way(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """DeepSeek-V3's index is 8 MB: fetching and parsing it takes longer than a round trip.
+    The shards of the index's numbered set are in the listing already, so their headers are
+    asked for at once: the server holds the index back until every header was asked for (a
+    reader that waits for the index would only ask once the hold runs out), each header
+    still in one request (its size guessed from the index's), and the report is the one of
+    the same checkpoint on disk."""
+    from ckpt_cli.storage.hub import HubStorage
+
+    lengths = _deepseek_like(tmp_path / "src")
+    hub.add_repo("org/deepseek", tmp_path / "src")
+    local = run_ckpt(command, tmp_path / "src", "--json")
+    index = "model.safetensors.index.json"
+    gate = hub.hold("org/deepseek", index, most=5.0)
+    lock = threading.Lock()
+    asked: set[str] = set()
+    index_read: list[bool] = []
+    asked_before_the_index: list[bool] = []
+    fetch, read = HubStorage._fetch, HubStorage.read
+
+    def fetching(self: HubStorage, rel: str, start: int, end: int) -> bytes:
+        with lock:
+            asked.add(rel)
+            if asked >= set(lengths) and not asked_before_the_index:
+                asked_before_the_index.append(not index_read)
+                gate.set()
+        return fetch(self, rel, start, end)
+
+    def reading(self: HubStorage, rel: str, offset: int, length: int) -> bytes:
+        data = read(self, rel, offset, length)
+        if rel == index:
+            index_read.append(True)
+        return data
+
+    monkeypatch.setattr(HubStorage, "_fetch", fetching)
+    monkeypatch.setattr(HubStorage, "read", reading)
+    result = run_ckpt(command, "hf://org/deepseek", "--json")
+
+    gate.set()
+    assert result.exit_code == 0, result.stderr
+    assert asked_before_the_index == [True]
+    if command == "inspect":
+        _same_as_local(result.json["result"], local.json["result"])
+    else:
+        assert result.json["ok"] is True and result.json["result"]["problems"] == []
+    for shard in lengths:
+        reads = [r for r in hub.file_requests("org/deepseek", shard) if r.status == 206]
+        assert len(reads) == 1, (shard, [r.range for r in reads])
+
+
 def test_hub_without_an_index_reads_each_header_whole_in_at_most_two_requests(
     hub: TestHub, tmp_path: Path
 ) -> None:

@@ -42,6 +42,7 @@ from .header import (
     encode_header,
     parse_header,
     prefetch_headers,
+    prefetch_numbered_shards,
     read_header,
 )
 
@@ -172,6 +173,8 @@ class SafetensorsFormat(Format):
         weight_map: dict[str, str] | None = None
         if index_rel is not None:
             checked = source.parsed.pop(_index_key(source, index_rel), None)
+            if checked is None and source.target is None:
+                prefetch_numbered_shards(storage, index_rel, source.files)
             weight_map, index_meta = checked or read_index(storage, index_rel)
             shards = sorted(set(weight_map.values()))
             listing = storage.list_files() if source.target is not None else source.files
@@ -259,6 +262,8 @@ class SafetensorsFormat(Format):
         weight_map: dict[str, str] | None = None
         index_meta: dict[str, Any] = {}
         if index_rel is not None:
+            if source.target is None:
+                prefetch_numbered_shards(storage, index_rel, source.files)
             try:
                 weight_map, index_meta = read_index(storage, index_rel)
             except CkptError as error:
