@@ -1460,3 +1460,43 @@ def test_every_adapter_of_a_multi_adapter_folder_is_diffed_and_converted(
     cut = run_ckpt("reshard", folder, tmp_path / "cut", "--max-shard-size", "1KB", "--json")
     assert cut.exit_code == 2, cut.stdout
     assert "adapter_model" in cut.json["error"]["message"] and not (tmp_path / "cut").exists()
+
+
+def test_merge_into_a_diffusers_unet_keeps_the_names_diffusers_loads(
+    fp16_variant_pipeline: Path, tmp_path: Path
+) -> None:
+    """A LoRA trained with peft on a pipeline's UNet (`get_peft_model(unet)`, as diffusion
+    training scripts wrap it) merged into the UNet's folder: the output keeps diffusers' names
+    (`diffusion_pytorch_model.fp16-0000k-of-0000n.safetensors`, its variant index), so
+    `UNet2DConditionModel.from_pretrained(DEST, variant="fp16")` loads what peft merges."""
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    base = fp16_variant_pipeline / "unet"
+
+    def load_unet() -> Any:
+        return UNet2DConditionModel.from_pretrained(base, variant="fp16", torch_dtype=torch.float16)
+
+    adapter = tmp_path / "adapter"
+    torch.manual_seed(3)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["to_q", "to_v"], init_lora_weights=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(load_unet(), config).save_pretrained(adapter)
+    out = tmp_path / "merged"
+    result = run_ckpt("merge", base, adapter, out, "--json")
+    assert result.exit_code == 0, result.stdout
+    names = {p.name for p in out.iterdir()}
+    assert "diffusion_pytorch_model.safetensors.index.fp16.json" in names
+    assert "model.safetensors" not in names and "config.json" in names
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = PeftModel.from_pretrained(load_unet(), adapter).merge_and_unload().state_dict()
+        got = UNet2DConditionModel.from_pretrained(
+            out, variant="fp16", torch_dtype=torch.float16
+        ).state_dict()
+    assert want.keys() == got.keys()
+    merged = result.json["result"]["merged"]
+    assert merged and all(n.endswith((".to_q.weight", ".to_v.weight")) for n in merged)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

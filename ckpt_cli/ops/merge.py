@@ -13,7 +13,8 @@ other tensor is copied as raw bytes. Peak memory is one base weight plus its two
 target whose base weight is quantized is refused before anything is written: an update added
 to quantized codes is wrong data.
 
-The output keeps the base's naming (one `model.safetensors`, or its shard size and index) and
+The output keeps the base's naming (one `model.safetensors`, or its shard size and index; a
+diffusers model's `diffusion_pytorch_model[.VARIANT]` names) and
 carries the base's non-weight files (`config.json`, tokenizer, generation config), so it loads
 with `from_pretrained` like the base did. It is written beside DEST and published with one
 rename.
@@ -37,7 +38,7 @@ from ..models import Entry, FileInfo, Record, Request
 from ..progress import NULL_PROGRESS, Progress
 from ..quant import QuantAnalysis, analyse_checkpoint, label
 from ..sources.layouts.base import open_plain
-from ..sources.layouts.model_folders import read_json
+from ..sources.layouts.model_folders import apply_naming, read_json
 from ..sources.model_files import MAX_EXTRA_BYTES
 from ..storage.output import (
     check_destination,
@@ -1321,6 +1322,13 @@ def merge_with(
         )
         metadata = target.output_metadata(base_checkpoint.manifest.metadata, plan.aliases)
         options = WriteOptions(max_shard_size=shard, metadata=metadata, basename="model")
+        # the base's own file names (a diffusers model's `diffusion_pytorch_model[.VARIANT]`
+        # and its variant index, a transformers variant's `model.fp16`): the library that
+        # loaded the base finds the merged weights under the same names
+        apply_naming(base_source, target.name, options)
+        # its companions are written below, as the base's (config.json rewritten when the
+        # merge changes what it says)
+        options.companions.clear()
 
         def companion(rel: str) -> bytes:
             """A file written beside the weights: the adapter's tokenizer file, or the base's
