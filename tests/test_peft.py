@@ -1500,3 +1500,29 @@ def test_merge_into_a_diffusers_unet_keeps_the_names_diffusers_loads(
     assert merged and all(n.endswith((".to_q.weight", ".to_v.weight")) for n in merged)
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_merge_of_a_diffusers_lora_file_says_what_it_is_and_how_to_fuse_it(
+    fp16_variant_pipeline: Path, tmp_path: Path
+) -> None:
+    """diffusers saves a LoRA as one `pytorch_lora_weights.safetensors` (`save_lora_adapter`,
+    the training scripts' `save_lora_weights`), no adapter_config.json: merge refuses it as
+    the diffusers LoRA it is (exit 4), naming diffusers' own fuse, not as a missing peft
+    folder, for the folder and for the file alike; nothing is written."""
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig
+
+    base = fp16_variant_pipeline / "unet"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unet = UNet2DConditionModel.from_pretrained(base, variant="fp16")
+        unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"]))
+        unet.save_lora_adapter(tmp_path / "lora")
+    weights = tmp_path / "lora" / "pytorch_lora_weights.safetensors"
+    assert weights.is_file()
+    for adapter in (tmp_path / "lora", weights):
+        out = tmp_path / "merged"
+        result = run_ckpt("merge", base, adapter, out)
+        assert result.exit_code == 4, result.stderr
+        assert "diffusers LoRA" in result.stderr and "fuse_lora" in result.stderr
+        assert not out.exists()

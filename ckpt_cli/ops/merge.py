@@ -1211,6 +1211,7 @@ def merge_with(
     adapter_source = resolve_source(adapter)
     config = read_json(adapter_source, "adapter_config.json")
     if not isinstance(config, dict):
+        _refuse_diffusers_lora(adapter, adapter_source)
         raise NotFoundError(
             "has no readable adapter_config.json",
             path=adapter,
@@ -1404,6 +1405,32 @@ def merge_with(
         tensor_bytes=tensor_bytes,
         dtypes=dict(sorted(dtypes.items())),
         dry_run=request.dry_run,
+    )
+
+
+#: the files diffusers saves a LoRA as (`save_lora_weights`, `save_lora_adapter`)
+DIFFUSERS_LORA_FILES = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights.bin")
+
+
+def _refuse_diffusers_lora(adapter: str, adapter_source: Source) -> None:
+    """Refuse a diffusers LoRA (one `pytorch_lora_weights.*`, no adapter_config.json) as what
+    it is: its keys are named per pipeline component (`unet.…`, `text_encoder.…`) in one of
+    several spellings, and its alpha is not always saved, so diffusers' own loader is the one
+    that knows how to fuse it. Nothing when `adapter_source` holds no such file."""
+    held = sorted(n for n in adapter_source.files if n.rsplit("/", 1)[-1] in DIFFUSERS_LORA_FILES)
+    if not held:
+        return
+    raise FormatError(
+        f"holds a diffusers LoRA ({held[0]}, as diffusers' save_lora_weights / "
+        "save_lora_adapter write it), not a peft adapter folder (adapter_config.json + "
+        "adapter_model.*), which is what `ckpt merge` merges",
+        path=adapter,
+        fix="Fuse it with diffusers: a pipeline's (keys `unet.…`, `text_encoder.…`): `pipe = "
+        "DiffusionPipeline.from_pretrained(PIPELINE); pipe.load_lora_weights(ADAPTER); "
+        "pipe.fuse_lora(); pipe.unload_lora_weights(); pipe.save_pretrained(DEST)`; one "
+        "model's (save_lora_adapter): `model.load_lora_adapter(ADAPTER, prefix=None, "
+        f"weight_name={held[0].rsplit('/', 1)[-1]!r}); model.fuse_lora(); model.unload_lora(); "
+        "model.save_pretrained(DEST)`.",
     )
 
 
