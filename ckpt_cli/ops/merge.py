@@ -38,7 +38,7 @@ from ..models import Entry, FileInfo, Record, Request
 from ..progress import NULL_PROGRESS, Progress
 from ..quant import QuantAnalysis, analyse_checkpoint, label
 from ..sources.layouts.base import open_plain
-from ..sources.layouts.model_folders import apply_naming, read_json
+from ..sources.layouts.model_folders import DIFFUSERS_LORA_FILES, apply_naming, read_json
 from ..sources.model_files import MAX_EXTRA_BYTES
 from ..storage.output import (
     check_destination,
@@ -1406,10 +1406,6 @@ def merge_with(
         dtypes=dict(sorted(dtypes.items())),
         dry_run=request.dry_run,
     )
-
-
-#: the files diffusers saves a LoRA as (`save_lora_weights`, `save_lora_adapter`)
-DIFFUSERS_LORA_FILES = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights.bin")
 
 
 def _refuse_diffusers_lora(adapter: str, adapter_source: Source) -> None:

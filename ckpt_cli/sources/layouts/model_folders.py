@@ -193,6 +193,9 @@ class Naming:
         return None
 
 
+#: the files diffusers saves a LoRA as (`save_lora_weights`, `save_lora_adapter`)
+DIFFUSERS_LORA_FILES = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights.bin")
+
 #: non-weight files each layout needs beside its weights to load
 COMPANIONS: dict[str, tuple[str, ...]] = {
     "peft": ("adapter_config.json", "README.md"),
@@ -207,6 +210,11 @@ def naming(source: Source, base: str = "") -> Naming | None:
     if any(n in ("adapter_model.safetensors", "adapter_model.bin") for n in names):
         companions = [c for c in COMPANIONS["peft"] if c in names]
         return Naming("adapter_model", library="peft", companions=companions, size_shards=False)
+    lora = [n for n in DIFFUSERS_LORA_FILES if n in names]
+    if len(lora) == 1:
+        # diffusers' `load_lora_weights` finds `pytorch_lora_weights.safetensors` (or `.bin`) by
+        # that name, in one file
+        return Naming(lora[0].split(".", 1)[0], library="diffusers", size_shards=False)
     variants: set[str | None] = set()
     for name in names:
         match = _DIFFUSERS_WEIGHTS.fullmatch(name) or _DIFFUSERS_INDEX.fullmatch(name)
