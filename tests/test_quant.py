@@ -13,6 +13,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -1699,3 +1700,139 @@ def test_parameters_are_counted_by_one_rule_with_a_filter_and_in_a_training_fold
     assert training["state_elements"]["optimizer"] == 2 * (4 + 2) + 2
     chosen = run_ckpt("inspect", folder, "--filter", "model.*", "--json").json["result"]
     assert chosen["parameters"] == logical
+
+
+def write_compressed_tensors_mx(folder: Path, preset: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """Two bfloat16 linears quantized by compressed-tensors' own MX compressors: `MXFP4A16`
+    (`mxfp4-pack-quantized`: `weight_packed` uint8 `[out, in/2]`), `MXFP8A16`
+    (`mxfp8-quantized`: `weight` float8 `[out, in]`) or `MXFP6A16` (`mxfp6-pack-quantized`:
+    `weight_packed` uint8 `[out, in*3/4]`), each with a uint8 E8M0 `weight_scale` per 32
+    values. Returns the state written and the scheme (for the compressor's decompress)."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    fmt = {
+        "MXFP4A16": "mxfp4-pack-quantized",
+        "MXFP8A16": "mxfp8-quantized",
+        "MXFP6A16": "mxfp6-pack-quantized",
+    }[preset]
+    qscheme = preset_name_to_scheme(preset, ["Linear"])
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    gen = torch.Generator().manual_seed(9)
+    state: dict[str, torch.Tensor] = {}
+    for layer in range(2):
+        w = (torch.randn(64, 256, generator=gen) * 0.1).to(torch.bfloat16)
+        groups = w.float().reshape(64, -1, 32)
+        scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), qscheme.weights)
+        packed = compressor.compress({"weight": w, "weight_scale": scale}, qscheme)
+        state.update({f"model.layers.{layer}.mlp.down_proj.{k}": v for k, v in packed.items()})
+    state["model.norm.weight"] = torch.rand(64, generator=gen).to(torch.bfloat16)
+    config = QuantizationConfig(
+        config_groups={"g": qscheme}, format=fmt, quantization_status="compressed"
+    ).model_dump(mode="json")
+    hf_shards(folder, [state], {"torch_dtype": "bfloat16", "quantization_config": config})
+    return state, qscheme
+
+
+@pytest.mark.parametrize(("preset", "scheme"), [("MXFP4A16", "mxfp4-ct"), ("MXFP8A16", "mxfp8-ct")])
+def test_compressed_tensors_mx_formats_match_their_own_decompressor(
+    tmp_path: Path, preset: str, scheme: str
+) -> None:
+    """compressed-tensors MXFP4 / MXFP8 models: `verify` failed a healthy one (MXFP4 as an
+    int4 packing without `weight_shape`; MXFP8's E8M0 scales as a wrong FP8 grid and dtype),
+    `inspect` misnamed them and `--dequantize` refused them. Now they are MX weights:
+    dequantized bit for bit as compressed-tensors' own compressor decompresses them."""
+    from compressed_tensors.compressors.base import BaseCompressor
+
+    src = tmp_path / preset
+    state, qscheme = write_compressed_tensors_mx(src, preset)
+    compressor = BaseCompressor.get_value_from_registry(qscheme_format(src))
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    (group,) = shown["schemes"]
+    assert group["scheme"] == scheme and group["modules"] == 2, shown
+    assert group["example"]["logical_shape"] == [64, 256]
+    assert shown["packed"] == [] and shown["parameters"] == 2 * 64 * 256 + 64
+    verified = run_ckpt("verify", src, "--deep")
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        out = tmp_path / dtype
+        conv = run_ckpt(
+            "convert", src, out, "--to", "safetensors", "--dequantize", "--dtype", dtype
+        )
+        assert conv.exit_code == 0, conv.stdout + conv.stderr
+        got = load_file(out / "model.safetensors")
+        assert sorted(got) == sorted(
+            [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)] + ["model.norm.weight"]
+        )
+        for layer in range(2):
+            module = f"model.layers.{layer}.mlp.down_proj"
+            mine = {
+                k.removeprefix(module + "."): v
+                for k, v in state.items()
+                if k.startswith(module + ".")
+            }
+            ref = compressor.decompress(mine, qscheme)["weight"].to(torch_dtype)
+            assert got[f"{module}.weight"].dtype == torch_dtype
+            assert torch.equal(got[f"{module}.weight"], ref), (dtype, module)
+        assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    compared = run_ckpt("diff", src, tmp_path / "bf16", "--dequantize", "--atol", "0")
+    assert compared.exit_code == 0, compared.stdout + compared.stderr
+
+    # kept as stored without --dequantize: codes and E8M0 exponents never cast
+    kept = tmp_path / "kept"
+    conv = run_ckpt("convert", src, kept, "--to", "safetensors", "--dtype", "fp16")
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    got = load_file(kept / "model.safetensors")
+    for name, tensor in state.items():
+        if name.startswith("model.layers."):
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    assert got["model.norm.weight"].dtype == torch.float16
+
+    # a scale cut for another weight is named, and dequantizing it is refused
+    name = "model.layers.0.mlp.down_proj.weight_scale"
+    state[name] = state[name][:, :4].contiguous()
+    save_file(state, src / "model-00001-of-00001.safetensors", metadata={"format": "pt"})
+    damaged = run_ckpt("verify", src, "--json").json["result"]
+    assert ("scale_grid", name) in _problems(damaged)
+    refused = run_ckpt("convert", src, tmp_path / "no", "--to", "safetensors", "--dequantize")
+    assert refused.exit_code == 4 and name in refused.stderr
+    assert not (tmp_path / "no").exists()
+
+    # a weight without its scale: named, and dequantizing it is refused
+    del state[name]
+    hf_shards(src, [state], json.loads((src / "config.json").read_text()))
+    payload = next(n for n in state if n.startswith("model.layers.0.") and "scale" not in n)
+    damaged = run_ckpt("verify", src, "--json").json["result"]
+    assert _problems(damaged) == [("missing_scale", payload)], damaged["problems"]
+    refused = run_ckpt("convert", src, tmp_path / "no", "--to", "safetensors", "--dequantize")
+    assert refused.exit_code == 4 and payload in refused.stderr
+
+
+def qscheme_format(folder: Path) -> str:
+    """The compressed-tensors format the model in `folder` declares."""
+    config = json.loads((folder / "config.json").read_text())
+    return str(config["quantization_config"]["format"])
+
+
+def test_compressed_tensors_mxfp6_is_recognised_and_not_misjudged(tmp_path: Path) -> None:
+    """compressed-tensors MXFP6: `verify` failed a healthy model (no `weight_shape`, as if it
+    were an int4 packing) and `inspect` called it `pack-quantized`; ckpt does not dequantize
+    MXFP6, so it is kept as stored, named by its format."""
+    src = tmp_path / "mxfp6"
+    state, _ = write_compressed_tensors_mx(src, "MXFP6A16")
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    assert shown["packed"] == ["model.layers.*.mlp.down_proj"], shown
+    assert "compressed-tensors mxfp6-pack-quantized packed" in shown["label"]
+    assert shown["parameters"] == 2 * 64 * 256 + 64
+    verified = run_ckpt("verify", src, "--deep")
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+    refused = run_ckpt("convert", src, tmp_path / "dq", "--to", "safetensors", "--dequantize")
+    assert refused.exit_code == 4 and "mxfp6-pack-quantized" in refused.stderr
+    # without its scale, the codes cannot be read
+    del state["model.layers.1.mlp.down_proj.weight_scale"]
+    config = json.loads((src / "config.json").read_text())
+    hf_shards(src, [state], config)
+    damaged = run_ckpt("verify", src, "--json").json["result"]
+    assert ("missing_scale", "model.layers.1.mlp.down_proj.weight_packed") in _problems(damaged)

@@ -212,6 +212,11 @@ def dequantize(weight: QuantWeight, tensors: dict[str, torch.Tensor], dtype: str
         return values.transpose(-2, -1).contiguous() if weight.transposed else values
     if weight.scheme == "mxfp8":
         return mxfp8(payload, side["scale"], dtype)
+    if weight.scheme == "mxfp4-ct":
+        # compressed-tensors' `[..., in/2]` bytes are gpt-oss's `[..., in/32, 16]` blocks
+        return mxfp4(payload.reshape(*payload.shape[:-1], -1, 16), side["scale"], dtype)
+    if weight.scheme == "mxfp8-ct":
+        return mxfp8(payload.reshape(*payload.shape[:-1], -1, 32), side["scale"], dtype)
     if weight.scheme == "nvfp4":
         return nvfp4(payload, side["scale"], side["scale_2"], dtype, reciprocal=False)
     if weight.scheme == "nvfp4-ct":
@@ -231,6 +236,8 @@ REQUIRED = {
     "fp8-channel": ("scale",),
     "mxfp4": ("scale",),
     "mxfp8": ("scale",),
+    "mxfp4-ct": ("scale",),
+    "mxfp8-ct": ("scale",),
     "nvfp4": ("scale", "scale_2"),
     "nvfp4-ct": ("scale", "global"),
 }

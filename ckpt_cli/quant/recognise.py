@@ -30,6 +30,7 @@ from .schemes import (
     BNB_8BIT_SUFFIXES,
     CT_INT,
     CT_INT_SUFFIXES,
+    CT_MXFP6,
     CT_PACKED,
     CT_PACKED_SUFFIXES,
     FP8,
@@ -129,7 +130,10 @@ def _packed(out: QuantAnalysis, tensors: Mapping[str, TensorFacts], config: Quan
         elif name.endswith(".weight_packed"):
             module, scheme, suffixes = name[: -len(".weight_packed")], CT_PACKED, CT_PACKED_SUFFIXES
             payload = ".weight_packed"
-            if not _ct_int_packed(tensors, module, config):
+            mx = _ct_mx_packed(tensors, module, config)
+            if mx == CT_MXFP6:
+                scheme = CT_MXFP6
+            elif mx is not None or not _ct_int_packed(tensors, module, config):
                 continue
         elif name.endswith(".weight_scale"):
             module, scheme, suffixes = name[: -len(".weight_scale")], CT_INT, CT_INT_SUFFIXES
@@ -177,6 +181,32 @@ def _ct_int_packed(tensors: Mapping[str, TensorFacts], module: str, config: Quan
         return False
     scale = _dtype(tensors, module + ".weight_scale")
     return scale is not None and scale not in SCALE_DTYPES["group_scale"]
+
+
+def _ct_mx_packed(
+    tensors: Mapping[str, TensorFacts], module: str, config: QuantConfig
+) -> str | None:
+    """Which of compressed-tensors' MX formats `module.weight_packed` is: `mxfp4-ct` (two E2M1
+    codes a byte), `CT_MXFP6` (four 6-bit codes in three bytes), None when it is none (its
+    scale is no E8M0 exponent). The config's format says which; without it, the bytes per
+    group of 32 values do (16 or 24)."""
+    packed = tensors.get(module + ".weight_packed")
+    scale = tensors.get(module + ".weight_scale")
+    if packed is None or packed[DTYPE] != "uint8":
+        return None
+    algo = config.algo or ""
+    if algo == "mxfp4-pack-quantized":
+        return "mxfp4-ct"
+    if algo == "mxfp6-pack-quantized":
+        return CT_MXFP6
+    if scale is None or scale[DTYPE] not in SCALE_DTYPES["mx_scale"]:
+        return None
+    packed_shape, scale_shape = list(packed[SHAPE]), list(scale[SHAPE])
+    if packed_shape and scale_shape and packed_shape[-1] == 24 * scale_shape[-1]:
+        return CT_MXFP6
+    if packed_shape and scale_shape and packed_shape[-1] == 16 * scale_shape[-1]:
+        return "mxfp4-ct"
+    return None
 
 
 def _may_hold_quantized(tensors: Mapping[str, TensorFacts]) -> bool:
@@ -281,6 +311,39 @@ def _mx(r: _Recognition, name: str, tensor: TensorFacts) -> None:
     ck.claim(weight)
 
 
+def _mx_ct(r: _Recognition, name: str, module: str, scheme: str, scale: str) -> None:
+    """MXFP4 / MXFP8 as compressed-tensors writes them: `weight_packed` uint8 `[..., in/2]`
+    (two E2M1 codes a byte, low nibble first) or an FP8 `weight` `[..., in]`, with an E8M0
+    `weight_scale` `[..., in/32]` (uint8 exponents): gpt-oss's MX, under other names."""
+    ck, tensors = r.checks, r.checks.tensors
+    shape = list(tensors[name][SHAPE])
+    if not shape:
+        return
+    per_byte = 2 if scheme == "mxfp4-ct" else 1
+    logical = [*shape[:-1], shape[-1] * per_byte]
+    weight = QuantWeight(
+        module=module,
+        scheme=scheme,
+        payload=name,
+        output=module + ".weight",
+        sidecars={"scale": scale, **ck.optional(module, _ACTIVATION)},
+        logical_shape=logical,
+        block=(1, 32),
+    )
+    if scale not in tensors:
+        del weight.sidecars["scale"]
+        ck.missing(name, scale, scheme)
+        ck.claim(weight)
+        return
+    got = list(tensors[scale][SHAPE])
+    want = [*logical[:-1], logical[-1] // 32]
+    if logical[-1] % 32 or got != want:
+        ck.grid_problem(name, scale, got, f"{want} (one per 32 values)")
+    ck.check_dtype(name, {"scale": scale}, {"scale": "mx_scale"})
+    ck.check_dtype(name, weight.sidecars, {"input_global": "global"})
+    ck.claim(weight)
+
+
 def _nvfp4_ct(r: _Recognition, name: str, tensor: TensorFacts) -> None:
     """NVFP4 as compressed-tensors writes it: `weight_packed` with a global scale."""
     ck, tensors = r.checks, r.checks.tensors
@@ -288,6 +351,12 @@ def _nvfp4_ct(r: _Recognition, name: str, tensor: TensorFacts) -> None:
     shape = list(tensor[SHAPE])
     if tensor[DTYPE] != "uint8" or len(shape) != 2:
         return
+    mx = _ct_mx_packed(tensors, module, r.config)
+    if mx == "mxfp4-ct":
+        _mx_ct(r, name, module, "mxfp4-ct", module + ".weight_scale")
+        return
+    if mx is not None:
+        return  # MXFP6: recognised as packed, not dequantized
     sidecars = ck.optional(module, {"scale": ".weight_scale", "global": ".weight_global_scale"})
     scale = sidecars.get("scale")
     if (
@@ -332,6 +401,14 @@ def _fp8(r: _Recognition, name: str, module: str, tensor: TensorFacts) -> None:
         {"inv": ".weight_scale_inv", "mul": ".weight_scale", "comfy": ".scale_weight"},
     )
     scale_name = sidecars.get("inv") or sidecars.get("mul") or sidecars.get("comfy")
+    if (
+        scale_name is not None
+        and scale_name == sidecars.get("mul")
+        and tensors[scale_name][DTYPE] in SCALE_DTYPES["mx_scale"]
+    ):
+        # compressed-tensors' MXFP8 (`mxfp8-quantized`): an E8M0 exponent per 32 values
+        _mx_ct(r, name, module, "mxfp8-ct", scale_name)
+        return
     if scale_name is None:
         if ("fp8" in r.expects or r.fp8_scaled_elsewhere) and not ignored(module, config.ignore):
             sidecar = module + (
@@ -340,6 +417,8 @@ def _fp8(r: _Recognition, name: str, module: str, tensor: TensorFacts) -> None:
                 else ".weight_scale_inv"
             )
             scheme = "fp8-block" if block else "fp8-tensor"
+            if config.algo == "mxfp8-quantized":
+                scheme = "mxfp8-ct"
             ck.missing(name, sidecar, scheme)
             ck.claim(QuantWeight(module, scheme, name, name, {}, shape, block or (1, 1)))
         return

@@ -49,6 +49,8 @@ LABELS = {
     "fp8-tensor": "FP8 per tensor",
     "mxfp4": "MXFP4 (groups of 32)",
     "mxfp8": "MXFP8 (groups of 32)",
+    "mxfp4-ct": "MXFP4 compressed-tensors (groups of 32)",
+    "mxfp8-ct": "MXFP8 compressed-tensors (groups of 32)",
     "nvfp4": "NVFP4 ModelOpt (groups of 16)",
     "nvfp4-ct": "NVFP4 compressed-tensors (groups of 16)",
 }
@@ -97,6 +99,9 @@ CT_INT_SUFFIXES = (
     ".input_zero_point",
 )
 CT_PACKED = "compressed-tensors pack-quantized"
+#: compressed-tensors' MXFP6 (`mxfp6-pack-quantized`: `weight_packed` uint8, four 6-bit codes
+#: in three bytes, with an E8M0 `weight_scale` per 32 values): recognised, not dequantized
+CT_MXFP6 = "compressed-tensors mxfp6-pack-quantized"
 CT_INT = "compressed-tensors int-quantized"
 #: how a packed scheme is named where the config declares none
 BNB_4BIT = "bitsandbytes 4-bit"
@@ -110,6 +115,7 @@ PACKED_REQUIRED = {
     BNB_4BIT: (".weight.absmax", ".weight.quant_map"),
     BNB_8BIT: (".SCB",),
     CT_PACKED: (".weight_scale", ".weight_shape"),
+    CT_MXFP6: (".weight_scale",),
     CT_INT: (".weight_scale",),
 }
 #: config files read next to the weights (small JSON; larger is not a config)
@@ -415,8 +421,10 @@ def config_families(config: QuantConfig) -> set[str] | None:
             return {"nvfp4-ct"}
         if algo in ("float-quantized", "naive-quantized"):
             return {"fp8"}
+        if algo in ("mxfp4-pack-quantized", "mxfp8-quantized"):
+            return {"mx"}
         if algo == "mixed-precision":
-            return {"nvfp4-ct", "fp8"}
+            return {"nvfp4-ct", "fp8", "mx"}
         return None
     return None
 
@@ -487,7 +495,7 @@ def _packed_parameters(module: str, analysis: QuantAnalysis, tensors: Mapping[st
     bits = analysis.config.raw.get("bits") or analysis.config.raw.get("w_bit") or 4
     qweight = tensors.get(module + ".qweight") or tensors.get(module + ".weight_packed")
     codes = tensors.get(module + ".weight")
-    words = _ct_bits(analysis.config.raw) if scheme == CT_PACKED else bits
+    words = {CT_PACKED: _ct_bits(analysis.config.raw), CT_MXFP6: 6}.get(scheme, bits)
     if qweight is not None and isinstance(words, int) and 0 < words <= 32:
         # words of `32 / bits` values each (GPTQ packs along in, AWQ along out)
         return qweight.nbytes * 8 // words
