@@ -1061,3 +1061,34 @@ def test_a_repairable_shard_beside_damage_beyond_the_parity_is_not_promised_a_re
     assert run_ckpt("repair", model).exit_code == 0
     assert third.read_bytes() == good[third.name]
     _assert_same(_read_safetensors(model), want)
+
+
+def test_protecting_and_repairing_an_old_save_keeps_its_save_time_for_latest_and_prune(
+    tmp_path: Path,
+) -> None:
+    """A user protects (and later repairs) a save of a run that finished an hour ago: the
+    parity is no new save, so the run table still dates each save by its own files, and the
+    time rules of `prune` (`--keep-within`, the settle window) judge it by when it was saved."""
+    from .run_fixtures import trainer_run
+
+    run = trainer_run(tmp_path)
+    oldest = run / "checkpoint-100"
+    saved = max(p.lstat().st_mtime for p in [oldest, *oldest.iterdir()])
+    assert run_ckpt("protect", oldest).exit_code == 0
+    _flip(oldest / "optimizer.pt", 100)  # bit rot, found by `verify --checksums`
+    assert run_ckpt("verify", oldest, "--checksums").exit_code == 1
+    repaired = run_ckpt("repair", oldest)
+    assert repaired.exit_code == 0, repaired.stdout + repaired.stderr
+    assert run_ckpt("verify", oldest, "--checksums").exit_code == 0
+
+    table = json.loads(run_ckpt("latest", run, "--json").stdout)["result"]["checkpoints"]
+    row = next(c for c in table if c["name"] == "checkpoint-100")
+    assert row["status"] == "complete"
+    assert row["mtime"] <= saved + 1  # an hour ago, not the minute protect ran
+
+    plan = run_ckpt("prune", run, "--keep-within", "30m", "--json")
+    assert plan.exit_code == 0, plan.stdout + plan.stderr
+    rows = {c["name"]: c for c in json.loads(plan.stdout)["result"]["decisions"]}
+    assert rows["checkpoint-100"]["action"] == "delete", rows["checkpoint-100"]
+    # the save's files are what they were: torch.load reads the rebuilt optimizer
+    assert "state" in torch.load(oldest / "optimizer.pt", weights_only=True)

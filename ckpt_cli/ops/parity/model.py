@@ -52,6 +52,10 @@ class ProtectedFile(Record):
         sha256: hex digest of the whole file.
         start: index of its first block in the sequence of all blocks (data files).
         blocks: hex XXH3-128 digest of each block (the last one short).
+        mtime_ns: when the file was last written, as `protect` found it (a local data file;
+            None for parity shares, objects, and manifests older than this field): `repair`
+            dates a file it rebuilds so, so the save keeps its save time for `latest` and
+            `prune`'s time rules.
     """
 
     path: str
@@ -59,6 +63,7 @@ class ProtectedFile(Record):
     sha256: str
     start: int = 0
     blocks: list[str] = Field(default_factory=list)
+    mtime_ns: int | None = None
 
 
 class ParityManifest(Record):

@@ -51,6 +51,7 @@ from .target import (
     BlockReader,
     ParityTarget,
     check_unchanged,
+    folder_time_kept,
     on_leader,
     open_parity_target,
     parity_dest,
@@ -58,6 +59,7 @@ from .target import (
     read_parity_manifest,
     sha256_file,
     sha256_storage,
+    written_at,
 )
 
 
@@ -154,6 +156,7 @@ def _protect_split(
                 if on_plan is not None:
                     on_plan(_report(target, manifest, dest, dry_run=True))
                 dest.parent.mkdir(parents=True, exist_ok=True)
+                stack.enter_context(folder_time_kept(target))  # left after the publish
                 staging = stack.enter_context(staged_output(dest, force=force))
                 for j in range(parity):
                     with open(staging / f"parity-{j}.bin", "wb") as fh:
@@ -339,7 +342,9 @@ def _prepare(
         ):
             plan = plan_layout(sizes, block, whole_files=True)
     files = [
-        ProtectedFile(path=name, size=size, sha256="", start=start)
+        ProtectedFile(
+            path=name, size=size, sha256="", start=start, mtime_ns=written_at(target, name)
+        )
         for name, size, start in zip(names, sizes, plan.starts, strict=True)
     ]
     manifest = ParityManifest(
@@ -497,7 +502,7 @@ def _protect(
     reader = BlockReader(storage)
     progress.start(sum(sizes), f"protecting (K={parity}, W={width})")
     try:
-        with staged_output(dest, force=force) as staging:
+        with folder_time_kept(target), staged_output(dest, force=force) as staging:
             outs = [open(staging / f"parity-{j}.bin", "wb") for j in range(parity)]
             p_hash = [hashlib.sha256() for _ in range(parity)]
             p_digests: list[list[str]] = [[] for _ in range(parity)]

@@ -31,6 +31,7 @@ from .scan import (
 from .target import (
     BlockReader,
     ParityTarget,
+    folder_time_kept,
     on_leader,
     open_parity_target,
     pwrite_all,
@@ -147,7 +148,8 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
             )
     with _repair_staging(target) as staging:
         staged = _rebuild(target, scan, staging, progress)
-        _publish_repaired(target, staged)
+        with folder_time_kept(target):
+            _publish_repaired(target, staged)
     report.rebuilt = [d.path for d in report.damaged]
     return report
 
@@ -387,12 +389,16 @@ def _publish_repaired(target: ParityTarget, staged: list[tuple[str, Path, Protec
     ordered = sorted(staged, key=lambda item: (is_commit_marker(item[0]), item[0]))
     manifest = storage.local_path(target.manifest_rel)
     protected_ns = manifest.stat().st_mtime_ns if manifest is not None else None
-    for rel, path, _f in ordered:
+    for rel, path, recorded in ordered:
         if protected_ns is not None:
             # the bytes are those `protect` recorded (sha256 checked): dated no later than
             # its manifest, so `verify` does not take them for a change made since
-            # (`parity_stale`), which its advice (`ckpt repair`) could never clear
-            os.utime(path, ns=(protected_ns, protected_ns))
+            # (`parity_stale`), which its advice (`ckpt repair`) could never clear; and as
+            # the file was dated when protected, where the manifest says, so the save keeps
+            # its save time (an old save is no new one to `latest` and `prune`)
+            written = recorded.mtime_ns
+            stamp = protected_ns if written is None else min(written, protected_ns)
+            os.utime(path, ns=(stamp, stamp))
         # a damaged file may be a link or read-only: the name is replaced, never written
         # through (a rename locally; an upload and one server-side copy in an object store)
         storage.put(rel, path, move=True)

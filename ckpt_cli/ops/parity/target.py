@@ -7,8 +7,8 @@ import itertools
 import json
 import os
 import threading
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -116,6 +116,29 @@ def lost_single_file(src: str) -> Source | None:
 def parity_dest(target: ParityTarget) -> Destination:
     """The parity folder as an output destination of the checkpoint's storage."""
     return target.storage.destination(target.parity_rel)
+
+
+def written_at(target: ParityTarget, rel: str) -> int | None:
+    """When data file `rel` was last written (ns), for a file on this machine; None in an
+    object store (whose objects `repair` cannot date)."""
+    local = target.storage.local_path(rel)
+    return local.lstat().st_mtime_ns if local is not None else None
+
+
+@contextmanager
+def folder_time_kept(target: ParityTarget) -> Iterator[None]:
+    """Give the checkpoint folder (local, a folder SRC) back the modification time it had
+    before the block: publishing the parity, or a rebuilt file, renames an entry into it,
+    which would date the save now, and `latest` and `prune` (the settle window,
+    `--keep-within`) would take an old save protected or repaired today for a fresh one."""
+    folder = target.storage.local_root if target.source.target is None else None
+    before = folder.stat().st_mtime_ns if folder is not None else None
+    yield
+    if folder is None or before is None:
+        return
+    now = folder.stat()
+    if now.st_mtime_ns != before:
+        os.utime(folder, ns=(now.st_atime_ns, before))
 
 
 def read_parity_manifest(target: ParityTarget) -> ParityManifest | None:

@@ -19,7 +19,7 @@ from ...faults import no_verdict
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, is_checkpoint_file
 from ...storage import LocalStorage, Storage, is_parity_path
-from .naming import SUBFOLDERS, collect, holds_run, match_name, refuse_run_of_runs
+from .naming import SUBFOLDERS, collect, holds_run, in_parity, match_name, refuse_run_of_runs
 from .records import DEFAULT_SETTLE, Found, RunCheckpoint, RunReport
 from .remote import RemoteListing, is_remote, looks_like_remote_run
 from .scan import RunListing, scan
@@ -154,7 +154,7 @@ class LocalListing(RunListing):
                 own = max(own, (self.root / rel).lstat().st_mtime)
             except OSError:
                 continue
-        inner = max((self._mtimes.get(f, 0.0) for f in files), default=0.0)
+        inner = max((self._mtimes.get(f, 0.0) for f in files if not in_parity(f)), default=0.0)
         if self.link(item) is None:
             newest = max(own, inner)
             return newest, newest

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import UsageError
 from ...formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, holds_dcp, is_checkpoint_file
+from ...storage import is_parity_path
 from ...storage.output import OLD_MARKER, TMP_MARKER
 from .records import CHECKSUM_MANIFEST, SLIM_RECORD, Found
 
@@ -101,6 +102,13 @@ def refuse_run_of_runs(run_dir: str, runs: list[str]) -> None:
         path=run_dir,
         fix=f"Pass one run folder: {one} (`ckpt latest {one}` prints its newest complete save).",
     )
+
+
+def in_parity(rel: str) -> bool:
+    """Whether file `rel` (relative to the run folder) lies in a checkpoint's `ckpt protect`
+    parity folder: parity added to an old save, written today, says nothing of when the save
+    was made, so it never dates one."""
+    return any(is_parity_path(part) for part in rel.split("/")[:-1])
 
 
 def top_folders(files: Iterable[str]) -> dict[str, list[str]]:

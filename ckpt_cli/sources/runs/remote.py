@@ -16,7 +16,7 @@ from ...errors import NotFoundError, UsageError
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA, INDEX_SUFFIX
 from ...storage import Storage
-from .naming import SUBFOLDERS, collect, holds_run, refuse_run_of_runs
+from .naming import SUBFOLDERS, collect, holds_run, in_parity, refuse_run_of_runs
 from .records import SYNC_RECORD, Found, checksum_manifest_of
 from .scan import RunListing
 
@@ -101,7 +101,7 @@ class RemoteListing(RunListing):
         return out
 
     def times(self, item: Found) -> tuple[float, float]:
-        stamps = [self.storage.modified(rel) for rel in self.files(item)]
+        stamps = [self.storage.modified(rel) for rel in self.files(item) if not in_parity(rel)]
         newest = max((s for s in stamps if s is not None), default=0.0)
         return newest, newest
 
