@@ -195,3 +195,28 @@ def test_a_peft_checkpoint_that_lost_its_adapter_names_the_adapter_file(
     ]
     assert "adapter_config.json" in problems[0]["message"]
     assert "pytorch_model.bin" not in problems[0]["message"]
+
+
+def test_a_truncated_weights_file_is_named_not_called_deleted(
+    trainer_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A disk that filled up (or a copy cut short) left the Trainer checkpoint's weights file
+    truncated: verify names that file as unreadable, and does not also claim the weights were
+    deleted ("no model weights ... deleted or lost since?"), which sends the user looking for
+    a file that is right there; once protected, the one fix given is `ckpt repair`."""
+    run = shutil.copytree(trainer_runs["full"], tmp_path / "run")
+    folder = run / "checkpoint-2"
+    weights = next(p for p in folder.iterdir() if p.name.endswith(".safetensors"))
+    assert run_ckpt("protect", folder).exit_code == 0
+    with open(weights, "r+b") as fh:
+        fh.truncate(100)
+    result = run_ckpt("verify", folder, "--json")
+    assert result.exit_code == 1
+    problems = result.json["result"]["problems"]
+    codes = {p["code"] for p in problems}
+    assert "missing_weights" not in codes, problems
+    unreadable = [p for p in problems if p["code"] == "unreadable_component"]
+    assert [p["file"] for p in unreadable] == [str(weights)]
+    assert "ckpt repair" in unreadable[0]["fix"]
+    assert run_ckpt("repair", folder).exit_code == 0
+    assert run_ckpt("verify", folder, "--checksums").exit_code == 0

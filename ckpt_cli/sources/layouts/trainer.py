@@ -245,7 +245,10 @@ def _unfinished(source: Source, folder: Folder, state: TrainingState) -> list[Pr
     where = source.location.raw
     problems: list[Problem] = []
     deepspeed = any(n.startswith("global_step") for n in source.files)
-    if "weights" in state.missing and not deepspeed:
+    # weights that are there but cannot be read (truncated, corrupt) are named by their own
+    # `unreadable_component`: calling them deleted would send the user after a file that is here
+    unreadable = "model" in folder.unreadable_parts
+    if "weights" in state.missing and not deepspeed and not unreadable:
         # a PEFT model's Trainer checkpoint holds its adapter (`save_pretrained` of the
         # PeftModel), not the base model's weights
         adapter = folder.has("adapter_config.json")
