@@ -24,6 +24,9 @@ def run() -> int:
         from . import faults, heap
 
         faults.install_handlers()
+        from .cli.render.terminal import escape_what_stdout_cannot_carry
+
+        escape_what_stdout_cannot_carry()
         heap.pause_start_up()  # until the command's work begins: see `heap`
         # pydantic looks for plugins (logfire and the like) by reading the entry points of
         # every installed distribution, on the first model it builds: ~25 ms of a metadata

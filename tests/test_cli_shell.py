@@ -550,3 +550,41 @@ def test_a_file_given_as_the_run_folder_is_named_as_a_file_by_every_run_command(
         error = result.json["error"]
         assert (error["path"], error["problem"]) == (str(weights), "is not a folder"), error
         assert "run folder" in error["fix"]
+
+
+# -- a terminal that is not UTF-8 ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_a_stdout_that_is_not_utf8_never_turns_a_finished_command_into_a_bug(
+    tmp_path: Path, encoding: str
+) -> None:
+    """Under a Latin-1 locale (or PYTHONIOENCODING=ascii, a Windows code page), `convert
+    --max-shard-size` published DEST, then failed printing "shards ≤ …": "internal error:
+    UnicodeEncodeError … This is a bug" (exit 70); `verify --checksums` the same on its "—".
+    A `--json` run naming `café.txt` died the same way, half an envelope out. Now a character
+    the stream cannot carry is escaped, and the envelope is the same JSON in plain ASCII."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    src = tmp_path / "model"
+    src.mkdir()
+    save_file({"a": torch.zeros(64), "b": torch.ones(64)}, src / "model.safetensors")
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    env = {"PYTHONIOENCODING": encoding}
+    human = run_ckpt_process(
+        "convert", src, tmp_path / "out", "--to", "safetensors", "--max-shard-size", "300B", env=env
+    )
+    assert human.exit_code == 0, human.stderr
+    assert "shards \\u2264 300 B" in human.stdout, human.stdout
+    assert run_ckpt_process("verify", src, "--write-manifest", env=env).exit_code == 0
+    checked = run_ckpt_process("verify", src, "--checksums", env=env)
+    assert checked.exit_code == 0, checked.stderr
+    assert "checksums \\u2014 " in checked.stdout, checked.stdout
+    (src / "café.txt").write_text("notes")
+    result = run_ckpt_process("convert", src, tmp_path / "json", "--to", "dcp", "--json", env=env)
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert result.stdout.isascii()
+    assert "café.txt" in json.loads(result.stdout)["result"]["extras"]

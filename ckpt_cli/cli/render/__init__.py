@@ -18,6 +18,7 @@ from .terminal import CLOSED_PIPE_EXIT as CLOSED_PIPE_EXIT
 from .terminal import UNWRAPPED_WIDTH as UNWRAPPED_WIDTH
 from .terminal import closed_pipe_exit as closed_pipe_exit
 from .terminal import safe_text as safe_text
+from .terminal import writes_utf8
 
 JSON_VERSION = 1
 
@@ -214,7 +215,9 @@ def emit_json(command: str, result: Any, exit_code: int, error: CkptError | None
     from pydantic import BaseModel
     from pydantic_core import PydanticSerializationError
 
-    if sys.stdout.isatty() or not isinstance(result, BaseModel):
+    # pydantic-core writes UTF-8; on any other stdout the json module's ASCII escapes carry
+    # every name
+    if sys.stdout.isatty() or not isinstance(result, BaseModel) or not writes_utf8(sys.stdout):
         _print_json(envelope(command, result, exit_code, error))
         return
     try:

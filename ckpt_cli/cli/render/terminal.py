@@ -3,6 +3,7 @@ the quiet exit when stdout's reader is gone. Beneath both the renderers and thei
 
 from __future__ import annotations
 
+import codecs
 import io
 import os
 import re
@@ -29,6 +30,27 @@ def safe_text(text: str) -> str:
     and U+202E must not make `gpj.exe` read as `exe.jpg`. JSON output keeps the real names.
     """
     return _UNSAFE.sub(_escape_char, text)
+
+
+def writes_utf8(stream: object) -> bool:
+    """Whether `stream` encodes text as UTF-8 (so it can carry any character a name holds)."""
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        return codecs.lookup(encoding).name == "utf-8"
+    except LookupError:
+        return False
+
+
+def escape_what_stdout_cannot_carry() -> None:
+    """Make stdout write a character its encoding lacks as an escape (`\\u2264`).
+
+    Under a Latin-1 locale, PYTHONIOENCODING=ascii or a Windows code page, stdout's strict
+    encoder raised on the first "≤" or "—" of a report, after the command's work was done;
+    stderr already escapes (Python's default for it). A UTF-8 stdout is left as it is.
+    """
+    stream = sys.stdout
+    if isinstance(stream, io.TextIOWrapper) and not writes_utf8(stream):
+        stream.reconfigure(errors="backslashreplace")
 
 
 #: the status of a run whose reader went away: 128 + SIGPIPE, what a shell reports for `yes | head`
