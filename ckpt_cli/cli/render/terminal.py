@@ -8,7 +8,7 @@ import io
 import os
 import re
 import sys
-from typing import NoReturn
+from typing import NoReturn, TextIO
 
 #: the width a console claims when it is not a terminal: wide enough that nothing wraps
 UNWRAPPED_WIDTH = 1_000_000
@@ -32,9 +32,9 @@ def safe_text(text: str) -> str:
     return _UNSAFE.sub(_escape_char, text)
 
 
-def writes_utf8(stream: object) -> bool:
+def writes_utf8(stream: TextIO) -> bool:
     """Whether `stream` encodes text as UTF-8 (so it can carry any character a name holds)."""
-    encoding = getattr(stream, "encoding", None) or "utf-8"
+    encoding = stream.encoding or "utf-8"  # None: a stream of str only (closed at start)
     try:
         return codecs.lookup(encoding).name == "utf-8"
     except LookupError:
