@@ -588,3 +588,31 @@ def test_a_stdout_that_is_not_utf8_never_turns_a_finished_command_into_a_bug(
     assert result.exit_code == 0, result.stdout + result.stderr
     assert result.stdout.isascii()
     assert "café.txt" in json.loads(result.stdout)["result"]["extras"]
+
+
+# -- `-` is not standard output -----------------------------------------------------------------
+
+
+def test_dest_dash_is_refused_rather_than_made_a_folder_named_dash(tmp_path: Path) -> None:
+    """`ckpt convert model.pt - --to safetensors | aws s3 cp - s3://…`: `-` reads as stdout in
+    a shell, but ckpt made a folder named `-` in the working directory and printed its report
+    down the pipe, exit 0. DEST `-` is refused (exit 2, nothing written); `./-` still names
+    such a folder on purpose."""
+    import json
+
+    import torch
+
+    torch.save({"w": torch.zeros(4)}, tmp_path / "model.pt")
+    for args in (
+        ["convert", "model.pt", "-", "--to", "safetensors"],
+        ["reshard", "model.pt", "-", "--max-shard-size", "1KB"],
+    ):
+        result = run_ckpt_process(*args, "--json", cwd=tmp_path)
+        assert result.exit_code == 2, result.stdout
+        error = json.loads(result.stdout)["error"]
+        assert error["path"] == "-" and "standard output" in error["problem"], error
+        assert "./-" in error["fix"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+    meant = run_ckpt_process("convert", "model.pt", "./-", "--to", "safetensors", cwd=tmp_path)
+    assert meant.exit_code == 0, meant.stderr
+    assert (tmp_path / "-" / "model.safetensors").is_file()

@@ -137,11 +137,24 @@ def remote_key(dest: Destination) -> str | None:
     return dest.path if isinstance(dest, RemoteDest) else None
 
 
+def refuse_dash(dest: str) -> None:
+    """Refuse DEST `-`: a shell reads it as stdout (`ckpt convert m.pt - | aws s3 cp - …`);
+    taken as a path it made a folder named `-` and sent the report down the pipe."""
+    if dest == "-":
+        raise UsageError(
+            "is not standard output here: a checkpoint is written as files, and `-` would be "
+            "a folder of that name",
+            path="-",
+            fix="Name the output's path (`./-` for a folder named `-`), then copy or upload that.",
+        )
+
+
 def resolve_destination(dest: str | Path) -> Destination:
     """A DEST argument as an absolute local `Path` or a `RemoteDest` (fsspec URL).
 
     `hf://` is refused: publishing to the Hub is a commit, which `hf upload` does.
     """
+    refuse_dash(str(dest))
     loc = parse_location(str(dest))
     if loc.kind == "local":
         assert loc.path is not None

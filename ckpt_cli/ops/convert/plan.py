@@ -18,7 +18,13 @@ from ...errors import FormatError, UsageError
 from ...formats import get_format, serializations, writable_formats
 from ...formats.base import Format, WriteOptions
 from ...models import FileInfo
-from ...storage.output import Destination, RemoteDest, local_destination, resolve_destination
+from ...storage.output import (
+    Destination,
+    RemoteDest,
+    local_destination,
+    refuse_dash,
+    resolve_destination,
+)
 from ...storage.uri import canonical_remote, parse_location
 
 if TYPE_CHECKING:
@@ -130,6 +136,7 @@ def guard_paths(src: str, dest: Destination) -> None:
 
 def local_dest(dest: str) -> Destination:
     """DEST as a local path or an object-store location (`s3://…`: staged, then uploaded)."""
+    refuse_dash(dest)
     loc = parse_location(dest)
     if loc.kind == "local" and loc.path is not None:
         return loc.path
