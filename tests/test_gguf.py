@@ -1781,6 +1781,129 @@ def _counting(read: Any, lengths: list[int]) -> Any:
     return counted
 
 
+def test_convert_to_hf_maps_a_mixtral_gguf(tmp_path: Path) -> None:
+    """llama.cpp converts a Mixtral as a `llama` GGUF (q/k rows permuted as a Llama's) with a
+    router `ffn_gate_inp` and each layer's experts stacked in `ffn_*_exps`. `--to hf` refused
+    it ("no known model architecture matches ... no rule for ffn_gate_inp"); transformers' own
+    GGUF load builds a LlamaForCausalLM without its experts. It now exports as a
+    `MixtralForCausalLM` folder equal bit for bit to the model it was written from (from F32;
+    from Q8_0 with --dequantize, to the values gguf decodes), expert count and experts per
+    token in config.json."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+    from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    def permute(weights: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's, verbatim
+        return (
+            weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape)
+        )
+
+    torch.manual_seed(0)
+    experts, layers = 4, 2
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
+        num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=128,
+    )  # fmt: skip
+    MixtralForCausalLM(config).save_pretrained(tmp_path / "original")
+    state = load_file(tmp_path / "original" / "model.safetensors")
+    for qtype in ("F32", "Q8_0"):
+        path = tmp_path / f"mixtral-{qtype}.gguf"
+        writer = GGUFWriter(str(path), "llama")
+        writer.add_name("Mixtral")
+        writer.add_block_count(layers)
+        writer.add_context_length(128)
+        writer.add_embedding_length(64)
+        writer.add_feed_forward_length(32)
+        writer.add_head_count(4)
+        writer.add_head_count_kv(2)
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_rope_freq_base(1000000.0)
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(2)
+        writer.add_vocab_size(64)
+        want: dict[str, torch.Tensor] = {}
+
+        def add(
+            target: str,
+            data: np.ndarray,
+            hf: list[str],
+            writer: GGUFWriter = writer,
+            qtype: str = qtype,
+            want: dict[str, torch.Tensor] = want,
+        ) -> None:
+            if data.ndim == 1 or qtype == "F32":
+                writer.add_tensor(target, data.astype(np.float32))
+                decoded = data.astype(np.float32)
+            else:
+                kind = GGMLQuantizationType[qtype]
+                blocks = quantize(data, kind)
+                writer.add_tensor(target, blocks, raw_shape=blocks.shape, raw_dtype=kind)
+                decoded = dequantize(blocks, kind).reshape(data.shape)
+            parts = [decoded] if len(hf) == 1 else list(decoded)
+            for name, part in zip(hf, parts, strict=True):
+                want[name] = torch.from_numpy(np.ascontiguousarray(part))
+
+        plain = {
+            "model.embed_tokens.weight": "token_embd.weight",
+            "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight",
+        }
+        for hf, native in plain.items():
+            add(native, state[hf].numpy(), [hf])
+        for n in range(layers):
+            hf = f"model.layers.{n}."
+            attn = {"q": (4, True), "k": (2, True), "v": (0, False), "o": (0, False)}
+            for short, (heads, permuted) in attn.items():
+                name = f"{hf}self_attn.{short}_proj.weight"
+                data = state[name].numpy()
+                data = permute(data, heads) if permuted else data
+                target = "attn_output" if short == "o" else f"attn_{short}"
+                # decoded rows permuted back, as transformers holds them
+                add(f"blk.{n}.{target}.weight", data, [name])
+                if permuted:
+                    rows = want[name].numpy()
+                    back = rows.reshape(heads, rows.shape[0] // heads // 2, 2, -1)
+                    want[name] = torch.from_numpy(back.swapaxes(2, 1).reshape(rows.shape).copy())
+            add(f"blk.{n}.attn_norm.weight", state[f"{hf}input_layernorm.weight"].numpy(),
+                [f"{hf}input_layernorm.weight"])  # fmt: skip
+            add(f"blk.{n}.ffn_norm.weight", state[f"{hf}post_attention_layernorm.weight"].numpy(),
+                [f"{hf}post_attention_layernorm.weight"])  # fmt: skip
+            router = f"{hf}block_sparse_moe.gate.weight"
+            add(f"blk.{n}.ffn_gate_inp.weight", state[router].numpy(), [router])
+            for w, short in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+                names = [f"{hf}block_sparse_moe.experts.{e}.{w}.weight" for e in range(experts)]
+                stack = np.stack([state[name].numpy() for name in names])
+                add(f"blk.{n}.ffn_{short}_exps.weight", stack, names)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+        out = tmp_path / f"hf-{qtype}"
+        options = ["--dequantize"] if qtype == "Q8_0" else []
+        result = run_ckpt("convert", path, out, "--to", "hf", "--dtype", "fp32", *options)
+        assert result.exit_code == 0, result.stderr
+        assert "mixtral: gguf names -> hf names" in result.stdout
+        config_json = json.loads((out / "config.json").read_text())
+        assert config_json["architectures"] == ["MixtralForCausalLM"]
+        assert (config_json["num_local_experts"], config_json["num_experts_per_tok"]) == (4, 2)
+        assert config_json["intermediate_size"] == 32
+        got = load_file(out / "model.safetensors")
+        assert set(got) == set(state)
+        for name, tensor in got.items():
+            assert torch.equal(tensor, want[name]), (qtype, name)
+            if qtype == "F32":
+                assert torch.equal(tensor, state[name]), name
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        assert type(model).__name__ == "MixtralForCausalLM"
+        inspected = run_ckpt("inspect", path, "--json").json["result"]["architecture"]
+        assert (inspected["architecture"], inspected["naming"]) == ("mixtral", "gguf")
+
+
 def test_one_expert_of_a_gguf_expert_stack_reads_only_its_own_bytes(tmp_path: Path) -> None:
     """`--to hf` of a Qwen3-MoE GGUF writes each expert from its box of the layer's stack.
     Reading one box read (and, quantized, decoded) the whole stack: E times the work per

@@ -39,6 +39,7 @@ REGISTRY: dict[str, str] = {
     "qwen3-moe": "ckpt_cli.architectures.llama:Qwen3Moe",
     "qwen3": "ckpt_cli.architectures.llama:Qwen3",
     "qwen2": "ckpt_cli.architectures.llama:Qwen2",
+    "mixtral": "ckpt_cli.architectures.llama:Mixtral",
     "llama3": "ckpt_cli.architectures.llama:Llama3",
     "gpt-oss": "ckpt_cli.architectures.gpt_oss:GptOss",
 }

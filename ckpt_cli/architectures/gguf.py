@@ -12,7 +12,9 @@ are, and its q/k norms as `attn_q_norm` / `attn_k_norm`: renames only. A Qwen2 (
 `qwen2` files, NEOX rope too) is a Llama with q/k/v biases (`attn_q.bias`...): renames only.
 A Qwen3-MoE (`qwen3moe`) is a Qwen3 whose MLP is a router (`ffn_gate_inp`) and experts,
 stacked per layer (`ffn_gate_exps` `[E, F, D]`...) where transformers' files hold one tensor
-per expert: unstacked, each expert read from its own box.
+per expert: unstacked, each expert read from its own box. A Mixtral is a `llama` file (q/k
+permuted) with a router and expert stacks in place of the dense MLP: its family is told by
+its tensors (`families`).
 
 A GGUF holds no `config.json`: the model's settings are metadata key-values
 (`llama.block_count`, `llama.attention.head_count`, `llama.rope.freq_base`...), read here into
@@ -42,8 +44,14 @@ if TYPE_CHECKING:
 #: the naming token of llama.cpp's tensor names
 GGUF = "gguf"
 
-#: llama.cpp `general.architecture` -> the family token whose `gguf` naming maps it
-ARCHITECTURES = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3-moe"}
+#: llama.cpp `general.architecture` -> the family tokens whose `gguf` naming maps it (its
+#: tensors tell which: a `llama` file with expert stacks is a Mixtral)
+ARCHITECTURES = {
+    "llama": ("llama3", "mixtral"),
+    "qwen2": ("qwen2",),
+    "qwen3": ("qwen3",),
+    "qwen3moe": ("qwen3-moe",),
+}
 
 #: (Hugging Face pattern, llama.cpp pattern) of the tensors renamed as they are
 RENAMES = (
@@ -80,6 +88,13 @@ EXPERTS = (
     ("model.layers.{layer}.mlp.experts.{expert}.up_proj.weight", "blk.{layer}.ffn_up_exps.weight"),
     ("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight", "blk.{layer}.ffn_down_exps.weight"),
 )  # fmt: skip
+#: Mixtral's router and experts (w1 gate, w3 up, w2 down), stacked the same way
+MIXTRAL_ROUTER = ("model.layers.{layer}.block_sparse_moe.gate.weight", ROUTER[1])
+MIXTRAL_EXPERTS = (
+    ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight", EXPERTS[0][1]),
+    ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight", EXPERTS[1][1]),
+    ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight", EXPERTS[2][1]),
+)
 #: llama.cpp's table of rotary frequency factors (Llama 3.1's rope scaling)
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -123,7 +138,7 @@ def unmapped(checkpoint: Checkpoint, target: str) -> FormatError | None:
     return FormatError(
         f"is a GGUF of llama.cpp architecture {architecture or '(none)'!r}, which ckpt does not "
         f"map to the {target} naming (it maps: {', '.join(ARCHITECTURES)}; llama.cpp gives "
-        "Llama and Mistral models the architecture llama)",
+        "Llama, Mistral and Mixtral models the architecture llama)",
         path=checkpoint.manifest.location,
         fix="Convert it with --to safetensors (add --dequantize for quantized tensors) to keep "
         "llama.cpp's names, or load it with transformers' own GGUF support "
@@ -205,7 +220,7 @@ def args_from_metadata(checkpoint: Checkpoint, family: str, title: str) -> Model
     error = unmapped(checkpoint, "hf")
     if error is not None:
         raise error
-    if ARCHITECTURES[architecture] != family:
+    if family not in ARCHITECTURES[architecture]:
         raise FormatError(
             f"is a GGUF of llama.cpp architecture {architecture!r}, but its tensors are "
             f"named as a {title} model's: the file's metadata and tensors disagree",

@@ -383,6 +383,72 @@ class Llama3(_Decoder):
     }
 
 
+class Mixtral(_Decoder):
+    """Mixtral (a Llama whose MLP is a router and experts): llama.cpp's `llama` GGUF names of
+    it (q/k permuted, experts stacked per layer) against transformers' `MixtralForCausalLM`
+    (one tensor per expert, `block_sparse_moe`). torchtitan has no Mixtral."""
+
+    name = "mixtral"
+    title = "Mixtral"
+    hf_model_types = ("mixtral",)
+    hf_architecture = "MixtralForCausalLM"
+    hf_model_type = "mixtral"
+    rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
+        GGUF: [
+            *_renames(tuple(pair for pair in gguf.RENAMES if ".mlp." not in pair[0])),
+            RotaryPermute(one(gguf.Q[0]), one(gguf.Q[1]), heads="n_heads"),
+            RotaryPermute(one(gguf.K[0]), one(gguf.K[1]), heads="n_kv_heads"),
+            *_renames((gguf.MIXTRAL_ROUTER,)),
+            *(Experts(one(hf), one(native)) for hf, native in gguf.MIXTRAL_EXPERTS),
+        ],
+    }
+    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {
+        HF: _HF_IGNORED,
+        GGUF: (Ignored(gguf.ROPE_FREQS, "rotary frequency factors (config.json's rope_scaling)"),),
+    }
+    markers: ClassVar[Mapping[str, Sequence[str]]] = {
+        HF: (gguf.MIXTRAL_ROUTER[0],),
+        GGUF: (gguf.MIXTRAL_ROUTER[1],),
+    }
+    # a model with q/k norms is a Qwen3-MoE's relative, not a Mixtral
+    excluders: ClassVar[Mapping[str, Sequence[str]]] = {
+        GGUF: (gguf.QK_NORMS[0][1],),
+    }
+
+    @classmethod
+    def args_from_shapes(cls, shapes: Mapping[str, Sequence[int]], naming: str) -> ModelArgs:
+        args = super().args_from_shapes(shapes, naming)
+        router, expert = gguf.MIXTRAL_ROUTER[0], gguf.MIXTRAL_EXPERTS[0][0]
+        if naming == GGUF:
+            router_shape = shapes.get(gguf.ROUTER[1].format(layer=0))
+            stack = shapes.get(gguf.EXPERTS[0][1].format(layer=0))
+            expert_shape = stack[1:] if stack else None
+        else:
+            router_shape = shapes.get(router.format(layer=0))
+            expert_shape = shapes.get(expert.format(layer=0, expert=0))
+        # Mixtral's intermediate_size is one expert's width
+        return args.merged(
+            ModelArgs(
+                num_experts=router_shape[0] if router_shape else None,
+                ffn_dim=expert_shape[0] if expert_shape else None,
+            )
+        )
+
+    @classmethod
+    def hf_config(cls, args: ModelArgs) -> dict[str, Any]:
+        config = super().hf_config(args)
+        if args.config is None:
+            del config["attention_bias"]  # no key of MixtralConfig
+            config["num_local_experts"] = args.require(
+                "num_experts", cls.title, "config.json names it"
+            )
+            config["num_experts_per_tok"] = args.require(
+                "experts_per_token", cls.title, "the router picks that many experts"
+            )
+            config["sliding_window"] = None  # llama.cpp's graph attends to the whole context
+        return config
+
+
 class Qwen2(_Decoder):
     """Qwen2 and Qwen2.5 (a Llama with q/k/v biases, halves RoPE): llama.cpp's `qwen2` GGUF
     names against transformers' `Qwen2ForCausalLM`. torchtitan has no Qwen2."""
