@@ -1904,6 +1904,34 @@ def test_convert_to_hf_maps_a_mixtral_gguf(tmp_path: Path) -> None:
         assert (inspected["architecture"], inspected["naming"]) == ("mixtral", "gguf")
 
 
+def test_convert_to_hf_refuses_an_expert_count_the_experts_do_not_have(tmp_path: Path) -> None:
+    """A Qwen3-MoE GGUF of 4 experts per layer whose metadata says 8 (or 9 experts per token)
+    was exported with exit 0: a config.json of 8 experts over a router of 4 rows and 4 experts'
+    tensors, which transformers loads without a word. Held against the tensors as a
+    config.json is, it is refused (exit 4), naming the count and the tensors', nothing
+    written."""
+    from gguf import GGUFValueType
+
+    src = tmp_path / "model.gguf"
+    _qwen3_moe_gguf(src, "F32")
+    u32 = GGUFValueType.UINT32
+    for case, key, value, said in (
+        (
+            "count",
+            "qwen3moe.expert_count",
+            8,
+            "num_experts=8, where the tensors have num_experts=4",
+        ),
+        ("used", "qwen3moe.expert_used_count", 9, "experts_per_token=9, more than the 4 experts"),
+    ):
+        bent = _with_metadata(src, tmp_path / f"{case}.gguf", {key: (value, u32)})
+        out = tmp_path / f"{case}-hf"
+        result = run_ckpt("convert", bent, out, "--to", "hf")
+        assert result.exit_code == 4, (case, result.stderr)
+        assert said in result.stderr, (case, result.stderr)
+        assert not out.exists(), case
+
+
 def test_one_expert_of_a_gguf_expert_stack_reads_only_its_own_bytes(tmp_path: Path) -> None:
     """`--to hf` of a Qwen3-MoE GGUF writes each expert from its box of the layer's stack.
     Reading one box read (and, quantized, decoded) the whole stack: E times the work per
@@ -2056,14 +2084,15 @@ def test_convert_to_hf_refuses_gguf_metadata_that_does_not_fit_the_tensors(
 
 
 def _with_metadata(src: Path, out: Path, changes: dict[str, tuple[object, object]]) -> Path:
-    """`src` (a `llama` GGUF) written again with the metadata `changes` (key -> (value, gguf
-    value type)) in place of its own, its tensors as they are."""
+    """`src` written again with the metadata `changes` (key -> (value, gguf value type)) in
+    place of its own, its tensors as they are."""
     from gguf import GGUFReader, GGUFWriter
 
     reader = GGUFReader(str(src))
-    writer = GGUFWriter(str(out), "llama")
+    architecture = str(reader.fields["general.architecture"].contents())
+    writer = GGUFWriter(str(out), architecture)
     for key, field in reader.fields.items():
-        if key.startswith(("llama.", "tokenizer.")):
+        if key.startswith((f"{architecture}.", "tokenizer.")):
             value, kind = changes.get(key, (field.contents(), field.types[0]))
             writer.add_key_value(key, value, kind, field.types[-1])  # type: ignore[arg-type]
     for key, (value, kind) in changes.items():

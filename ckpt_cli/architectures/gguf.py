@@ -179,11 +179,18 @@ def refuse_misfit(
     """
     misfits = [
         f"{key}={getattr(args, key)}, where the tensors have {key}={getattr(found, key)}"
-        for key in ("dim", "n_layers", "ffn_dim")  # llama.cpp checks these as it loads
+        # llama.cpp checks these as it loads (the expert count: its router's rows)
+        for key in ("dim", "n_layers", "ffn_dim", "num_experts")
         if getattr(args, key) is not None
         and getattr(found, key) is not None
         and getattr(args, key) != getattr(found, key)
     ]
+    experts = found.num_experts or args.num_experts
+    if experts and args.experts_per_token and args.experts_per_token > experts:
+        misfits.append(
+            f"experts_per_token={args.experts_per_token}, more than the {experts} experts "
+            "the router picks among"
+        )
     misfits += conflicts
     if misfits:
         more = f" (and {len(misfits) - 1} more)" if len(misfits) > 1 else ""
