@@ -1788,7 +1788,8 @@ def test_convert_to_hf_maps_a_mixtral_gguf(tmp_path: Path) -> None:
     GGUF load builds a LlamaForCausalLM without its experts. It now exports as a
     `MixtralForCausalLM` folder equal bit for bit to the model it was written from (from F32;
     from Q8_0 with --dequantize, to the values gguf decodes), expert count and experts per
-    token in config.json."""
+    token in config.json; so does a file of llama.cpp's older layout, one tensor per expert
+    (`ffn_gate.0.weight`: most Mixtral GGUFs published), which llama.cpp still loads."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize, quantize
     from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
@@ -1810,8 +1811,8 @@ def test_convert_to_hf_maps_a_mixtral_gguf(tmp_path: Path) -> None:
     )  # fmt: skip
     MixtralForCausalLM(config).save_pretrained(tmp_path / "original")
     state = load_file(tmp_path / "original" / "model.safetensors")
-    for qtype in ("F32", "Q8_0"):
-        path = tmp_path / f"mixtral-{qtype}.gguf"
+    for qtype, stacked in (("F32", True), ("Q8_0", True), ("F32", False)):
+        path = tmp_path / f"mixtral-{qtype}-{stacked}.gguf"
         writer = GGUFWriter(str(path), "llama")
         writer.add_name("Mixtral")
         writer.add_block_count(layers)
@@ -1877,13 +1878,17 @@ def test_convert_to_hf_maps_a_mixtral_gguf(tmp_path: Path) -> None:
             for w, short in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
                 names = [f"{hf}block_sparse_moe.experts.{e}.{w}.weight" for e in range(experts)]
                 stack = np.stack([state[name].numpy() for name in names])
-                add(f"blk.{n}.ffn_{short}_exps.weight", stack, names)
+                if stacked:
+                    add(f"blk.{n}.ffn_{short}_exps.weight", stack, names)
+                else:  # llama.cpp's layout before April 2024, still loaded
+                    for e, name in enumerate(names):
+                        add(f"blk.{n}.ffn_{short}.{e}.weight", stack[e], [name])
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
 
-        out = tmp_path / f"hf-{qtype}"
+        out = tmp_path / f"hf-{qtype}-{stacked}"
         options = ["--dequantize"] if qtype == "Q8_0" else []
         result = run_ckpt("convert", path, out, "--to", "hf", "--dtype", "fp32", *options)
         assert result.exit_code == 0, result.stderr

@@ -95,6 +95,13 @@ MIXTRAL_EXPERTS = (
     ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight", EXPERTS[1][1]),
     ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight", EXPERTS[2][1]),
 )
+#: ...and one tensor per expert, llama.cpp's layout before April 2024 (most published Mixtral
+#: GGUFs), which its loader still reads
+MIXTRAL_EXPERTS_APART = (
+    (MIXTRAL_EXPERTS[0][0], "blk.{layer}.ffn_gate.{expert}.weight"),
+    (MIXTRAL_EXPERTS[1][0], "blk.{layer}.ffn_up.{expert}.weight"),
+    (MIXTRAL_EXPERTS[2][0], "blk.{layer}.ffn_down.{expert}.weight"),
+)
 #: llama.cpp's table of rotary frequency factors (Llama 3.1's rope scaling)
 ROPE_FREQS = "rope_freqs.weight"
 

@@ -400,7 +400,13 @@ class Mixtral(_Decoder):
             RotaryPermute(one(gguf.K[0]), one(gguf.K[1]), heads="n_kv_heads"),
             *_renames((gguf.MIXTRAL_ROUTER,)),
             *(Experts(one(hf), one(native)) for hf, native in gguf.MIXTRAL_EXPERTS),
+            *_renames(gguf.MIXTRAL_EXPERTS_APART),
         ],
+    }
+    # a file holds its experts stacked, or (llama.cpp before April 2024) one tensor each; a
+    # layer without them is refused on the whole output (`check_layers`)
+    optional: ClassVar[Mapping[str, Sequence[str]]] = {
+        GGUF: tuple(native for _, native in (*gguf.MIXTRAL_EXPERTS, *gguf.MIXTRAL_EXPERTS_APART)),
     }
     ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {
         HF: _HF_IGNORED,
@@ -422,7 +428,8 @@ class Mixtral(_Decoder):
         if naming == GGUF:
             router_shape = shapes.get(gguf.ROUTER[1].format(layer=0))
             stack = shapes.get(gguf.EXPERTS[0][1].format(layer=0))
-            expert_shape = stack[1:] if stack else None
+            apart = shapes.get(gguf.MIXTRAL_EXPERTS_APART[0][1].format(layer=0, expert=0))
+            expert_shape = stack[1:] if stack else apart
         else:
             router_shape = shapes.get(router.format(layer=0))
             expert_shape = shapes.get(expert.format(layer=0, expert=0))
