@@ -1,5 +1,5 @@
-"""llama.cpp's GGUF naming of a Llama, a Qwen2 and a Qwen3, and the model args its metadata
-holds.
+"""llama.cpp's GGUF naming of a Llama, a Mixtral, a Qwen2, a Qwen3 and a Qwen3-MoE, and the
+model args its metadata holds.
 
 llama.cpp's `convert_hf_to_gguf.py` writes a `LlamaForCausalLM` (and a Mistral, which it
 converts as a Llama) under its own names: `model.layers.0.self_attn.q_proj.weight` becomes
@@ -13,8 +13,8 @@ are, and its q/k norms as `attn_q_norm` / `attn_k_norm`: renames only. A Qwen2 (
 A Qwen3-MoE (`qwen3moe`) is a Qwen3 whose MLP is a router (`ffn_gate_inp`) and experts,
 stacked per layer (`ffn_gate_exps` `[E, F, D]`...) where transformers' files hold one tensor
 per expert: unstacked, each expert read from its own box. A Mixtral is a `llama` file (q/k
-permuted) with a router and expert stacks in place of the dense MLP: its family is told by
-its tensors (`families`).
+permuted) with a router and expert stacks in place of the dense MLP: which family a `llama`
+file is, its tensors tell (`ARCHITECTURES` lists both).
 
 A GGUF holds no `config.json`: the model's settings are metadata key-values
 (`llama.block_count`, `llama.attention.head_count`, `llama.rope.freq_base`...), read here into

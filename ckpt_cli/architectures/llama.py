@@ -1,5 +1,5 @@
 """Llama 3 and Qwen3 (dense and MoE): Hugging Face names against torchtitan 0.3's (and
-Qwen2 against llama.cpp's GGUF names).
+Qwen2 and Mixtral, which torchtitan has not, against llama.cpp's GGUF names only).
 
 The rules are those of torchtitan 0.3.0's own `Llama3StateDictAdapter` and
 `Qwen3StateDictAdapter` (`torchtitan/models/{llama3,qwen3}/state_dict_adapter.py`), stated
