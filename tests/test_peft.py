@@ -1526,3 +1526,37 @@ def test_merge_of_a_diffusers_lora_file_says_what_it_is_and_how_to_fuse_it(
         assert result.exit_code == 4, result.stderr
         assert "diffusers LoRA" in result.stderr and "fuse_lora" in result.stderr
         assert not out.exists()
+
+
+def test_merge_into_a_pipeline_names_the_component_the_adapter_was_trained_on(
+    fp16_variant_pipeline: Path, tmp_path: Path
+) -> None:
+    """BASE given as the pipeline's root, an adapter of its UNet: refused (exit 2) naming the
+    `unet` component (peft records the class it wrapped, `UNet2DConditionModel`, as
+    model_index.json does), not some other subfolder, and the fix it gives works."""
+    from diffusers import DiffusionPipeline, UNet2DConditionModel
+    from peft import LoraConfig, get_peft_model
+
+    adapter = tmp_path / "adapter"
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["to_q"], init_lora_weights=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unet = UNet2DConditionModel.from_pretrained(fp16_variant_pipeline / "unet", variant="fp16")
+        get_peft_model(unet, config).save_pretrained(adapter)
+    out = tmp_path / "merged"
+    result = run_ckpt("merge", fp16_variant_pipeline, adapter, out, "--json")
+    assert result.exit_code == 2, result.stdout
+    error = result.json["error"]
+    assert "UNet2DConditionModel" in error["message"] and "unet component" in error["message"]
+    assert f"{fp16_variant_pipeline}/unet" in error["fix"] and "vae" not in error["fix"]
+    assert not out.exists()
+    # the fix: a copy of the pipeline, its unet replaced by the merge
+    shutil.copytree(fp16_variant_pipeline, out)
+    merged = run_ckpt("merge", fp16_variant_pipeline / "unet", adapter, out / "unet", "--force")
+    assert merged.exit_code == 0, merged.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe: Any = DiffusionPipeline.from_pretrained(out, variant="fp16")
+        original: Any = DiffusionPipeline.from_pretrained(fp16_variant_pipeline, variant="fp16")
+    name = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight"
+    assert not torch.equal(pipe.unet.state_dict()[name], original.unet.state_dict()[name])

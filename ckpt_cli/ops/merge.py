@@ -34,12 +34,14 @@ from ..dtypes import itemsize, numel
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import HF_WEIGHTS, get_format, resolve_source
 from ..formats.base import Checkpoint, Source, WriteOptions
+from ..formats.names import is_checkpoint_file
 from ..models import Entry, FileInfo, Record, Request
 from ..progress import NULL_PROGRESS, Progress
 from ..quant import QuantAnalysis, analyse_checkpoint, label
 from ..sources.layouts.base import open_plain
 from ..sources.layouts.model_folders import DIFFUSERS_LORA_FILES, apply_naming, read_json
 from ..sources.model_files import MAX_EXTRA_BYTES
+from ..sources.runs.naming import top_folders
 from ..storage.output import (
     check_destination,
     local_destination,
@@ -1261,6 +1263,7 @@ def merge_with(
         # the real run refuses an existing DEST (or a missing parent) before any work: its
         # dry run says so too
         check_destination(dest_path, force)
+    _refuse_pipeline_base(base, adapter, dest, base_source, config)
     base_checkpoint = open_plain(base_source)
     try:
         adapter_weights = Source(
@@ -1406,6 +1409,45 @@ def merge_with(
         dtypes=dict(sorted(dtypes.items())),
         dry_run=request.dry_run,
     )
+
+
+def _refuse_pipeline_base(
+    base: str, adapter: str, dest: str, base_source: Source, config: dict[str, Any]
+) -> None:
+    """Refuse a diffusers pipeline's root given as BASE (a LoRA is trained on one of its
+    components), naming the component the adapter's class is (peft records the class it
+    wrapped in `auto_mapping`, model_index.json the class of each component) and the way to
+    a whole pipeline with it merged. Nothing when BASE is no pipeline root."""
+    if base_source.target is not None or "model_index.json" not in base_source.files:
+        return
+    index = read_json(base_source, "model_index.json")
+    if not isinstance(index, dict):
+        return
+    mapping = config.get("auto_mapping")
+    wrapped = mapping.get("base_model_class") if isinstance(mapping, dict) else None
+    folders = top_folders(base_source.files)
+    with_weights = [n for n, inner in folders.items() if any(map(is_checkpoint_file, inner))]
+    matching = [
+        name
+        for name, value in index.items()
+        if isinstance(value, list) and value[-1:] == [wrapped] and name in with_weights
+    ]
+    root = base.rstrip("/")
+    if len(matching) == 1:
+        said = f"the adapter was trained on its {wrapped}, the {matching[0]} component"
+        name, first = matching[0], "Merge into that component's folder"
+    else:
+        listed = ", ".join(f"{n}/" for n in with_weights)
+        said = f"an adapter is merged into one of its components ({listed})"
+        name, first = "COMPONENT", "Name the component the adapter was trained on"
+    fix = f"{first}: `ckpt merge {root}/{name} {adapter} {dest}`."
+    if "://" not in root:
+        # a local pipeline: a copy of it with the component replaced is the whole pipeline
+        fix = (
+            f"{first}; for the whole pipeline with it merged: `cp -r {root} {dest} && ckpt "
+            f"merge {root}/{name} {adapter} {dest}/{name} --force`."
+        )
+    raise UsageError(f"is a diffusers pipeline (model_index.json): {said}", path=base, fix=fix)
 
 
 def _refuse_diffusers_lora(adapter: str, adapter_source: Source) -> None:
