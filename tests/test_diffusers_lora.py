@@ -110,3 +110,27 @@ def test_a_diffusers_lora_is_never_cut_into_shards_diffusers_cannot_load(
         assert not out.exists()
     assert run_ckpt("reshard", pipeline_lora, out, "--max-shard-size", "1GB").exit_code == 0
     assert {p.name for p in out.iterdir()} == {"pytorch_lora_weights.bin"}
+
+
+def test_inspect_says_a_diffusers_lora_is_one_and_what_it_adapts(
+    pipeline_lora: Path, tmp_path: Path
+) -> None:
+    """A `pytorch_lora_weights` file is labelled as the diffusers LoRA it is: the pipeline
+    components it adapts with their tensor counts, its rank, and how it is loaded; the folder
+    and the file alike, and its converted copy."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "safetensors"
+    assert run_ckpt("convert", pipeline_lora, out, "--to", "safetensors").exit_code == 0
+    held = load_file(out / "pytorch_lora_weights.safetensors")
+    counts = {c: sum(1 for k in held if k.startswith(f"{c}.")) for c in ("unet", "text_encoder")}
+    assert all(counts.values()) and sum(counts.values()) == len(held)
+    for src in (pipeline_lora, out, out / "pytorch_lora_weights.safetensors"):
+        result = run_ckpt("inspect", src, "--json")
+        assert result.exit_code == 0, result.stderr
+        layout = result.json["result"]["layout"]
+        assert layout["layout"] == "diffusers-lora", layout
+        assert layout["details"]["components"] == counts
+        assert layout["details"]["ranks"] == [2]
+    human = run_ckpt("inspect", pipeline_lora).stdout
+    assert "diffusers-lora" in human and "load_lora_weights" in human

@@ -266,6 +266,10 @@ def open_source(src: str | Source, format: str | None = None) -> OpenedSource:
         from .model_folders import gguf_info
 
         layout = gguf_info(checkpoint.manifest)
+    if layout is None:
+        from .model_folders import diffusers_lora_info
+
+        layout = diffusers_lora_info(checkpoint.manifest)
     if not saved_as.holds_objects:  # no training dict: plain weights
         return OpenedSource(checkpoint=checkpoint, layout=layout)
     from .torch_dict import analyse_single

@@ -76,7 +76,8 @@ class LayoutInfo(Record):
     """Which library wrote a model folder and what its own files say about it.
 
     Attributes:
-        layout: `peft`, `diffusers-model`, `diffusers-pipeline`, `sentence-transformers`.
+        layout: `peft`, `diffusers-model`, `diffusers-pipeline`, `diffusers-lora`,
+            `sentence-transformers`.
         description: one line for humans (`LoRA adapter for meta-llama/... (r=8, alpha=16, ...)`).
         details: the facts the description is made of (JSON).
         components: for multi-folder layouts, every component with its totals.
@@ -492,6 +493,53 @@ def peft_adapters(
         kind = f"peft.{kind or 'PEFT'}"
         components.append(Component(name, path, kind, weights, needs, stem="adapter_model"))
     return "peft-adapters", components, {"adapters": len(components)}
+
+
+#: the pipeline components a diffusers LoRA's keys are prefixed with (`save_lora_weights`)
+_PIPELINE_COMPONENTS = frozenset(
+    {"unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "prior", "decoder"}
+)
+
+#: the down (A) factor of a LoRA layer in each spelling diffusers saves and loads, whose
+#: first dimension is the rank
+_LORA_DOWN = (
+    "lora.down.weight",
+    "lora_linear_layer.down.weight",
+    "lora_A.weight",
+    "lora_down.weight",
+)
+
+
+def diffusers_lora_info(manifest: Any) -> LayoutInfo | None:
+    """A diffusers LoRA (one `pytorch_lora_weights.*`, as `save_lora_weights` and
+    `save_lora_adapter` write it): the pipeline components it adapts with their tensor counts
+    (none for one model's), its ranks, and how it is loaded. None for any other checkpoint."""
+    files = [f.path for f in manifest.files]
+    if len(files) != 1 or files[0].rsplit("/", 1)[-1] not in DIFFUSERS_LORA_FILES:
+        return None
+    counts: dict[str, int] = {}
+    ranks: set[int] = set()
+    for entry in manifest.entries:
+        if entry.kind != "tensor":
+            continue
+        head = entry.name.split(".", 1)[0]
+        counts[head] = counts.get(head, 0) + 1
+        if entry.name.endswith(_LORA_DOWN) and entry.shape:
+            ranks.add(entry.shape[0])
+    components = dict(sorted(counts.items())) if set(counts) <= _PIPELINE_COMPONENTS else {}
+    details: dict[str, Any] = {"file": files[0], "components": components, "ranks": sorted(ranks)}
+    if components:
+        said = ", ".join(f"{name} {count} tensors" for name, count in components.items())
+        loader = "pipe.load_lora_weights"
+    else:
+        said = "one model's (save_lora_adapter)"
+        loader = "model.load_lora_adapter"
+    rank = f"; rank {', '.join(map(str, sorted(ranks)))}" if ranks else ""
+    return LayoutInfo(
+        layout="diffusers-lora",
+        description=f"diffusers LoRA: {said}{rank}; loaded with {loader}",
+        details=details,
+    )
 
 
 def gguf_info(manifest: Any) -> LayoutInfo:
