@@ -1543,6 +1543,9 @@ def test_merge_into_a_pipeline_names_the_component_the_adapter_was_trained_on(
         warnings.simplefilter("ignore")
         unet = UNet2DConditionModel.from_pretrained(fp16_variant_pipeline / "unet", variant="fp16")
         get_peft_model(unet, config).save_pretrained(adapter)
+    # inspect says what the adapter was trained on: peft names no base model, but its class
+    described = run_ckpt("inspect", adapter, "--json").json["result"]["layout"]["description"]
+    assert "LoRA adapter for a UNet2DConditionModel" in described, described
     out = tmp_path / "merged"
     result = run_ckpt("merge", fp16_variant_pipeline, adapter, out, "--json")
     assert result.exit_code == 2, result.stdout

@@ -150,7 +150,13 @@ def peft_info(source: Source, base: str = "") -> LayoutInfo | None:
     if isinstance(parameters, list) and parameters:
         # LoRA on parameters (MoE expert stacks) rather than on whole layers
         parts.append(f"parameters {', '.join(sorted(map(str, parameters)))}")
-    base_model = details["base_model_name_or_path"] or "an unnamed base model"
+    # a model peft wrapped without a Hub name (a diffusers UNet, `get_peft_model(unet)`) is
+    # known by the class it records in `auto_mapping`
+    mapping = config.get("auto_mapping")
+    wrapped = mapping.get("base_model_class") if isinstance(mapping, dict) else None
+    base_model = details["base_model_name_or_path"] or (
+        f"a {wrapped}" if isinstance(wrapped, str) and wrapped else "an unnamed base model"
+    )
     description = f"{name} adapter for {base_model}"
     if parts:
         description += f" ({'; '.join(parts)})"
