@@ -632,3 +632,27 @@ def test_a_pipelines_language_model_component_maps_to_a_framework_naming(
         want = AutoModelForCausalLM.from_pretrained(pipeline / "text_encoder")(ids).logits
         got = AutoModelForCausalLM.from_pretrained(back)(ids).logits
     assert torch.equal(got, want)
+
+
+def test_a_pipeline_whose_model_index_is_damaged_is_refused_naming_it(
+    diffusers_pipeline: Path, tmp_path: Path
+) -> None:
+    """`model_index.json` cut short (an interrupted copy): diffusers cannot load the pipeline.
+    inspect, verify and convert said "holds no checkpoint files itself, but its subfolders do
+    (unet/, vqvae/). Name one of them" (exit 2), as of a folder of unrelated saves. They name
+    the damaged index (exit 4), and the component folders still read one at a time."""
+    pipeline = shutil.copytree(diffusers_pipeline, tmp_path / "pipeline")
+    index = pipeline / "model_index.json"
+    index.write_bytes(index.read_bytes()[:40])
+    for args in (
+        ["inspect", pipeline],
+        ["verify", pipeline],
+        ["convert", pipeline, tmp_path / "out", "--to", "safetensors"],
+    ):
+        result = run_ckpt(*args, "--json")
+        assert result.exit_code == 4, result.stdout
+        error = result.json["error"]
+        assert error["path"] == str(pipeline / "model_index.json"), error
+        assert "unet" in error["fix"], error
+    assert not (tmp_path / "out").exists()
+    assert run_ckpt("verify", pipeline / "unet").exit_code == 0

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import Field
 
@@ -424,7 +424,7 @@ def multi_folder(source: Source) -> tuple[str, list[Component], dict[str, Any]] 
     if "model_index.json" in names:
         index = read_json(source, "model_index.json")
         if not isinstance(index, dict):
-            return None
+            _refuse_damaged_index(source, names)
         components = []
         for key, value in index.items():
             if key.startswith("_") or not isinstance(value, list) or len(value) != 2:
@@ -499,6 +499,26 @@ def peft_adapters(
         kind = f"peft.{kind or 'PEFT'}"
         components.append(Component(name, path, kind, weights, needs, stem="adapter_model"))
     return "peft-adapters", components, {"adapters": len(components)}
+
+
+def _refuse_damaged_index(source: Source, names: set[str]) -> NoReturn:
+    """Refuse a pipeline root whose `model_index.json` is no JSON object (cut short by an
+    interrupted copy, or past the JSON budget): diffusers cannot load the pipeline, and read as
+    a plain folder it would be called a folder of unrelated saves. Its component folders still
+    read one at a time."""
+    from ...errors import FormatError
+    from ...formats.names import is_checkpoint_file
+
+    folders = sorted({n.split("/", 1)[0] for n in names if "/" in n and is_checkpoint_file(n)})
+    root = source.location.raw.rstrip("/")
+    shown = " or ".join(f"{root}/{name}" for name in folders[:3])
+    raise FormatError(
+        f"is not a readable pipeline index (a JSON object of at most {MAX_JSON >> 20} MiB): "
+        "the pipeline cannot be loaded, and its components are not known",
+        path=source.storage.describe("model_index.json"),
+        fix="Copy or download model_index.json again"
+        + (f", or name one component's folder: {shown}." if shown else "."),
+    )
 
 
 #: the pipeline components a diffusers LoRA's keys are prefixed with (`save_lora_weights`)
