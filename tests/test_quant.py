@@ -1836,3 +1836,54 @@ def test_compressed_tensors_mxfp6_is_recognised_and_not_misjudged(tmp_path: Path
     hf_shards(src, [state], config)
     damaged = run_ckpt("verify", src, "--json").json["result"]
     assert ("missing_scale", "model.layers.1.mlp.down_proj.weight_packed") in _problems(damaged)
+
+
+@pytest.mark.parametrize("structure", [["x", "y"], [0, 0], [[16], [16]], [True, 16]])
+def test_a_hostile_block_structure_is_no_block_size(tmp_path: Path, structure: list) -> None:
+    """A compressed-tensors config whose `block_structure` is not two positive integers made
+    every command fail as "a bug in ckpt" (exit 70: int('x'), a division by zero). It is
+    read as no block size, as a bad `weight_block_size` is: the scales' grid tells it."""
+    src = tmp_path / "fp8"
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(32, 32, generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 2, generator=gen) + 0.5
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "g": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "block",
+                    "block_structure": structure,
+                },
+            }
+        },
+    }
+    hf_shards(src, [{"a.weight": weight, "a.weight_scale": scale}], {"quantization_config": config})
+    shown = run_ckpt("inspect", src, "--json")
+    assert shown.exit_code == 0, shown.stdout + shown.stderr
+    (group,) = shown.json["result"]["quantization"]["schemes"]
+    assert group["label"] == "FP8 block 16x16"
+    verified = run_ckpt("verify", src)
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+    out = tmp_path / "fp32"
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize", "--dtype", "fp32")
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    want = weight.float() * scale.repeat_interleave(16, 0).repeat_interleave(16, 1)
+    assert torch.equal(load_file(out / "model.safetensors")["a.weight"], want)
+
+
+def test_a_hostile_num_bits_is_no_crash(tmp_path: Path) -> None:
+    """A compressed-tensors config whose `num_bits` is a list made `inspect` of its int4
+    model fail as "a bug in ckpt" (exit 70); the parameters are counted at 4 bits."""
+    src = tmp_path / "w4a16"
+    write_compressed_tensors_int(src, "W4A16")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["g"]["weights"]["num_bits"] = [4]
+    (src / "config.json").write_text(json.dumps(config))
+    shown = run_ckpt("inspect", src, "--json")
+    assert shown.exit_code == 0, shown.stdout + shown.stderr
+    assert shown.json["result"]["quantization"]["parameters"] == 2 * 64 * 256 + 64

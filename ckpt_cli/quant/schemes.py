@@ -326,6 +326,18 @@ def prefetch_config(storage: Storage) -> None:
     storage.prefetch_files(CONFIG_FILES)
 
 
+def _block_size(value: Any) -> list[int] | None:
+    """A config's block size (`weight_block_size`, `block_structure`): two positive integers,
+    else None (no block size said: the scales' grid tells it, as without a config)."""
+    if (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in value)
+    ):
+        return [int(b) for b in value]
+    return None
+
+
 def read_config(storage: Storage) -> QuantConfig:
     """The quantization the checkpoint's config files declare (an empty config when none)."""
     hf_config, modelopt_config = CONFIG_FILES
@@ -346,21 +358,14 @@ def read_config(storage: Storage) -> QuantConfig:
     q = config.get("quantization_config")
     if not isinstance(q, dict):
         return QuantConfig(dtype=model_dtype)
-    block = q.get("weight_block_size")
-    if not (
-        isinstance(block, list)
-        and len(block) == 2
-        and all(isinstance(b, int) and b > 0 for b in block)
-    ):
-        block = None
+    block = _block_size(q.get("weight_block_size"))
     groups = q.get("config_groups")
     if block is None and isinstance(groups, dict):
         # compressed-tensors block FP8: config_groups.*.weights.block_structure
         for group in groups.values():
             weights = group.get("weights") if isinstance(group, dict) else None
             structure = weights.get("block_structure") if isinstance(weights, dict) else None
-            if isinstance(structure, list) and len(structure) == 2:
-                block = [int(b) for b in structure]
+            block = _block_size(structure) or block
     method = q.get("quant_method")
     algo = q.get("format") if method == "compressed-tensors" else q.get("quant_algo")
     if method == "modelopt" and not isinstance(algo, str):
@@ -569,12 +574,13 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
 def _ct_bits(raw: dict[str, Any]) -> int:
     """The weights' `num_bits` of a compressed-tensors config (its groups agreeing), else 4."""
     groups = raw.get("config_groups")
-    found = {
+    found = [
         g["weights"].get("num_bits")
         for g in (groups.values() if isinstance(groups, dict) else [])
         if isinstance(g, dict) and isinstance(g.get("weights"), dict)
-    }
-    bits = found.pop() if len(found) == 1 else None
+    ]
+    # compared by their JSON text: a hostile config's `num_bits` may be a list (unhashable)
+    bits = found[0] if len({json.dumps(b) for b in found}) == 1 else None
     return bits if isinstance(bits, int) and not isinstance(bits, bool) else 4
 
 
