@@ -1887,3 +1887,23 @@ def test_a_hostile_num_bits_is_no_crash(tmp_path: Path) -> None:
     shown = run_ckpt("inspect", src, "--json")
     assert shown.exit_code == 0, shown.stdout + shown.stderr
     assert shown.json["result"]["quantization"]["parameters"] == 2 * 64 * 256 + 64
+
+
+@pytest.mark.parametrize("dequantize", [True, False])
+def test_a_config_dtype_that_is_no_string_is_left_as_it_is(
+    tmp_path: Path, dequantize: bool
+) -> None:
+    """An FP8 model whose `config.json` says `"torch_dtype": ["bfloat16"]` made `convert
+    --dtype` fail as "a bug in ckpt" (exit 70) while rewriting the config's dtype; the
+    weights are written and that value is left as it was (it names no dtype)."""
+    src = tmp_path / "fp8"
+    write_fp8_block(src, fp8_source())
+    config = json.loads((src / "config.json").read_text())
+    config["torch_dtype"] = ["bfloat16"]
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    args = ["--dequantize"] if dequantize else []
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dtype", "fp32", *args)
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == ["bfloat16"]
+    assert run_ckpt("verify", out).exit_code == 0

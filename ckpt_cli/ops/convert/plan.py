@@ -396,7 +396,13 @@ def config_in_dtype(data: bytes, dtype: str) -> bytes | None:
     def retype(node: dict[str, Any]) -> bool:
         changed = False
         for key, value in node.items():
-            if key in CONFIG_DTYPE_KEYS and value in dtypes.FLOATING and value != dtype:
+            # a hostile config's dtype may be any JSON value (a list is unhashable)
+            if (
+                key in CONFIG_DTYPE_KEYS
+                and isinstance(value, str)
+                and value in dtypes.FLOATING
+                and value != dtype
+            ):
                 node[key] = dtype
                 changed = True
             elif isinstance(value, dict):
