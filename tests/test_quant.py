@@ -1907,3 +1907,64 @@ def test_a_config_dtype_that_is_no_string_is_left_as_it_is(
     assert conv.exit_code == 0, conv.stdout + conv.stderr
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == ["bfloat16"]
     assert run_ckpt("verify", out).exit_code == 0
+
+
+@pytest.mark.parametrize("preset", ["MXFP4A16", "MXFP8A16"])
+def test_compressed_tensors_mx_llama_dequantized_equals_what_transformers_loads(
+    tmp_path: Path, preset: str
+) -> None:
+    """A tiny Llama quantized and saved the way compressed-tensors does it
+    (`apply_quantization_config`, `ModelCompressor.compress_model`, `save_pretrained`,
+    `update_config`): ckpt's dequantized output loads as a plain model whose every tensor
+    equals what transformers' own compressed-tensors loader decompresses
+    (`run_compressed=False`)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"g": scheme}, ignore=["lm_head"])
+    )
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and hasattr(module, "weight_scale"):
+            groups = module.weight.float().reshape(module.weight.shape[0], -1, 32)
+            scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+            module.weight_scale.data = scale.to(module.weight_scale.dtype)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    assert compressor is not None
+    compressor.compress_model(model)
+    src = tmp_path / preset
+    model.save_pretrained(src)
+    compressor.update_config(src)
+
+    verified = run_ckpt("verify", src, "--deep")
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+    out = tmp_path / "bf16"
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize")
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    reference = AutoModelForCausalLM.from_pretrained(
+        src,
+        dtype=torch.bfloat16,
+        quantization_config=CompressedTensorsConfig(run_compressed=False),
+    ).state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
+    assert sorted(ours) == sorted(reference)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor.view(torch.int16), reference[name].view(torch.int16)), name
