@@ -1968,3 +1968,32 @@ def test_compressed_tensors_mx_llama_dequantized_equals_what_transformers_loads(
     assert sorted(ours) == sorted(reference)
     for name, tensor in ours.items():
         assert torch.equal(tensor.view(torch.int16), reference[name].view(torch.int16)), name
+
+
+def test_inspect_names_every_quantized_module_or_says_how_many_more(tmp_path: Path) -> None:
+    """`inspect` listed the first six module patterns of a scheme and dropped the rest without
+    a word: a Llama's seventh projection (`v_proj`) appeared neither as quantized nor as
+    unquantized. It now lists eight, then says how many more (`--json` lists all)."""
+    gen = torch.Generator().manual_seed(5)
+    projections = ["q", "k", "v", "o", "gate", "up", "down"]
+    modules = [f"model.layers.0.p.{p}_proj" for p in projections]
+    state: dict[str, torch.Tensor] = {}
+    for module in modules:
+        state[f"{module}.weight"] = torch.randn(8, 8, generator=gen).to(torch.float8_e4m3fn)
+        state[f"{module}.weight_scale"] = torch.tensor([0.01])
+    llama = tmp_path / "seven"
+    hf_shards(llama, [state], None)
+    shown = run_ckpt("inspect", llama)
+    assert shown.exit_code == 0, shown.stderr
+    for module in modules:
+        assert module.replace(".0.", ".*.") in shown.stdout, module
+
+    for extra in ("a", "b", "c"):
+        state[f"model.layers.0.p.{extra}.weight"] = state[f"{modules[0]}.weight"].clone()
+        state[f"model.layers.0.p.{extra}.weight_scale"] = torch.tensor([0.01])
+    ten = tmp_path / "ten"
+    hf_shards(ten, [state], None)
+    shown = run_ckpt("inspect", ten)
+    assert "… 2 more" in shown.stdout, shown.stdout
+    listed = run_ckpt("inspect", ten, "--json").json["result"]["quantization"]
+    assert len(listed["schemes"][0]["patterns"]) == 10

@@ -148,24 +148,23 @@ def render_quantization(report: InspectReport) -> None:
             + ", ".join(f"{r} {shape_str(s)}" for r, s in example.get("scales", {}).items())
             + f" -> logical {group.logical_dtype} {shape_str(example.get('logical_shape', []))}"
         )
-        stdout.print(f"    [dim]{escape(', '.join(group.patterns[:6]))}[/]")
+        stdout.print(f"    [dim]{_first(group.patterns)}[/]")
     if quant.unquantized:
-        more = len(quant.unquantized) - 8
-        stdout.print(
-            "  unquantized  "
-            + escape(", ".join(quant.unquantized[:8]))
-            + (f" … {more} more" if more > 0 else "")
-        )
+        stdout.print("  unquantized  " + _first(quant.unquantized))
     if quant.packed:
-        more = len(quant.packed) - 8
         stdout.print(
             "  packed       "
-            + escape(", ".join(quant.packed[:8]))
-            + (f" … {more} more" if more > 0 else "")
+            + _first(quant.packed)
             + " [dim](packed values and their scales: kept as stored)[/]"
         )
     if quant.orphans:
-        stdout.print(f"  [red]orphan scales[/] {escape(', '.join(quant.orphans[:5]))}")
+        stdout.print(f"  [red]orphan scales[/] {_first(quant.orphans)}")
+
+
+def _first(names: list[str], shown: int = 8) -> str:
+    """The first `shown` names, escaped, then how many more there are (`--json` lists all)."""
+    more = len(names) - shown
+    return escape(", ".join(names[:shown])) + (f" … {more} more" if more > 0 else "")
 
 
 def render_layout(report: InspectReport) -> None:
