@@ -1997,3 +1997,35 @@ def test_inspect_names_every_quantized_module_or_says_how_many_more(tmp_path: Pa
     assert "… 2 more" in shown.stdout, shown.stdout
     listed = run_ckpt("inspect", ten, "--json").json["result"]["quantization"]
     assert len(listed["schemes"][0]["patterns"]) == 10
+
+
+def test_compressed_tensors_mxfp4_stacked_experts_dequantize_per_expert(tmp_path: Path) -> None:
+    """A compressed-tensors MXFP4 `weight_packed` of stacked experts `[E, out, in/2]` (scales
+    `[E, out, in/32]`) was recognised as nothing: `verify` said the config declares a
+    quantization no tensor has. Each expert is dequantized as compressed-tensors' own
+    decompressor dequantizes that expert's `[out, in/2]` weight."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    gen = torch.Generator().manual_seed(6)
+    packed = torch.randint(0, 256, (3, 8, 32), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(120, 130, (3, 8, 2), generator=gen, dtype=torch.uint8)
+    src = tmp_path / "experts"
+    config = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    hf_shards(
+        src,
+        [{"mlp.experts.weight_packed": packed, "mlp.experts.weight_scale": scale}],
+        {"quantization_config": config},
+    )
+    verified = run_ckpt("verify", src, "--deep")
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+    out = tmp_path / "fp32"
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize", "--dtype", "fp32")
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    got = load_file(out / "model.safetensors")["mlp.experts.weight"]
+    assert list(got.shape) == [3, 8, 64]
+    scheme = preset_name_to_scheme("MXFP4A16", ["Linear"])
+    for expert in range(3):
+        state = {"weight_packed": packed[expert], "weight_scale": scale[expert]}
+        ref = MXFP4PackedCompressor.decompress(state, scheme)["weight"]
+        assert torch.equal(got[expert], ref.float()), expert

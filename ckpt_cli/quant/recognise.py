@@ -349,14 +349,13 @@ def _nvfp4_ct(r: _Recognition, name: str, tensor: TensorFacts) -> None:
     ck, tensors = r.checks, r.checks.tensors
     module = name[: -len(".weight_packed")]
     shape = list(tensor[SHAPE])
-    if tensor[DTYPE] != "uint8" or len(shape) != 2:
-        return
     mx = _ct_mx_packed(tensors, module, r.config)
-    if mx == "mxfp4-ct":
+    if mx == "mxfp4-ct" and len(shape) >= 2:
+        # stacked experts `[E, out, in/2]` too: one `[out, in/2]` weight each
         _mx_ct(r, name, module, "mxfp4-ct", module + ".weight_scale")
         return
-    if mx is not None:
-        return  # MXFP6: recognised as packed, not dequantized
+    if mx is not None or tensor[DTYPE] != "uint8" or len(shape) != 2:
+        return  # MXFP6 (recognised as packed, not dequantized), or no NVFP4 weight
     sidecars = ck.optional(module, {"scale": ".weight_scale", "global": ".weight_global_scale"})
     scale = sidecars.get("scale")
     if (
