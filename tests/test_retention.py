@@ -626,3 +626,38 @@ def test_a_slimmed_protected_save_gets_parity_for_what_it_now_holds(tmp_path: Pa
     got = load_file(save / "model.safetensors")
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert not (save / "optimizer.pt").exists()
+
+
+@pytest.mark.frameworks
+def test_a_slimmed_accelerate_save_is_kept_as_weights_only_not_deleted_as_incomplete(
+    real_accelerate_run: Path, tmp_path: Path
+) -> None:
+    """`prune --slim-older-than` removes an accelerate save's `optimizer.bin` and
+    `random_states_0.pkl` and keeps its `scheduler.bin`, as it keeps a Trainer's
+    `scheduler.pt`. The run's judge then read the scheduler without its optimizer as a lost
+    file: the slimmed save was `incomplete`, `verify` failed it, and the next `prune
+    --incomplete --yes` deleted the save the user had kept for its weights."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    run = shutil.copytree(real_accelerate_run / "straight", tmp_path / "run")
+    weights_before = load_file(run / "step-2" / "model.safetensors")
+    set_mtime(run / "step-2", time.time() - DAY)
+    slimmed = run_ckpt("prune", run, "--slim-older-than", "1", "--settle", "0", "--yes")
+    assert slimmed.exit_code == 0, slimmed.stderr
+    left = {p.name for p in (run / "step-2").iterdir()}
+    assert "optimizer.bin" not in left and "scheduler.bin" in left
+    rows = run_ckpt("prune", run, "--incomplete", "--settle", "0", "--json").json["result"]
+    decided = {d["name"]: (d["status"], d["action"], d["markers"]) for d in rows["decisions"]}
+    assert decided["step-2"][:2] == ("complete", "keep"), decided
+    assert "weights-only" in decided["step-2"][2]
+    assert run_ckpt("prune", run, "--incomplete", "--settle", "0", "--yes").exit_code == 0
+    assert (run / "step-2" / "model.safetensors").exists()
+    checked = run_ckpt("verify", run / "step-2", "--json")
+    assert checked.exit_code == 0, checked.stdout
+    assert checked.json["result"]["training"]["resumable"] is False  # weights only, and said
+    latest = run_ckpt("latest", run, "--settle", "0")
+    assert latest.stdout.strip() == str(run / "step-4")
+    kept = load_file(run / "step-2" / "model.safetensors")
+    assert all(torch.equal(kept[k], v) for k, v in weights_before.items())

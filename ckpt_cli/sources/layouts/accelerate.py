@@ -78,7 +78,13 @@ class Accelerate(Layout):
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
         """Every rank's file of a per-rank FSDP save (`composite.missing_rank_files`), the
         optimizer state a scheduler's file says was saved (`_missing_optimizer`), and every
-        prepared object's state below the highest one saved (`_missing_objects`)."""
+        prepared object's state below the highest one saved (`_missing_objects`). A save
+        `ckpt prune --slim-older-than` slimmed lacks its optimizer and RNG states on purpose
+        (its scheduler kept): only its objects are asked for."""
+        from ..runs import SLIM_RECORD
+
+        if folder.has(SLIM_RECORD):
+            return _missing_objects(source, folder)
         return (
             _missing_optimizer(source, folder)
             + _missing_objects(source, folder)
