@@ -925,3 +925,11 @@ def test_a_training_save_on_the_hub_downloads_whole_and_verifies_resumable(
             assert state in reasons, options
             assert "training state" in reasons[state] and "variant" not in reasons[state]
             assert not (tmp_path / "part" / state).exists()
+        # the names `inspect --list` shows of the save (`model.lm_head.weight`) select its
+        # weights too: they were "no tensor matches", exit 3, with a fix naming inspect --list
+        head = tmp_path / "head"
+        args = ("--filter", "model.lm_head.*", "--mode", "tensors", "--force", "--json")
+        named = run_ckpt("download", src, head, *args)
+        assert named.exit_code == 0, named.stdout + named.stderr
+        assert named.json["result"]["filters"]["tensors"] == ["model.lm_head.*"]
+        assert set(read_all(head)) == {"lm_head.weight"}

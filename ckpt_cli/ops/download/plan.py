@@ -210,6 +210,24 @@ def training_state_files(source: Source, checkpoint: set[str]) -> tuple[str, set
     return layout.name, state
 
 
+#: the component a training save's weights are named under by inspect, convert and diff
+#: (`model.lm_head.weight`: `Folder.add_model`)
+WEIGHTS_COMPONENT = "model."
+
+
+def save_globs(source: Source, globs: list[str] | None) -> list[str] | None:
+    """Tensor globs as a training save's weights are matched: by their own names
+    (`lm_head.weight`) or by the names `inspect --list` shows of the save
+    (`model.lm_head.weight`): a glob naming the `model.` component also matches without it.
+    Other sources' globs are returned as given."""
+    from ...sources.layouts import training_layout_of
+
+    if not globs or training_layout_of(source) is None:
+        return globs
+    prefix = WEIGHTS_COMPONENT
+    return list(globs) + [g[len(prefix) :] for g in globs if g.startswith(prefix) and g != prefix]
+
+
 def state_left_behind(layout: str, state: set[str], why: str) -> dict[str, str]:
     """Each training-state file of a `layout` save a download does not fetch, with `why`."""
     reason = (

@@ -36,6 +36,7 @@ from .plan import (
     no_match,
     no_safetensors,
     planned_files,
+    save_globs,
     skipped_files,
     state_left_behind,
     top_level_extras,
@@ -53,7 +54,8 @@ def download_shards(
     asked: DownloadRequest,
     progress: Progress,
 ) -> None:
-    include, exclude = asked.tensors, asked.exclude
+    # a training save's weights answer to the names inspect shows too (`model.lm_head.weight`)
+    include, exclude = save_globs(source, asked.tensors), save_globs(source, asked.exclude)
     extras, force = asked.extras, asked.force
     repo = storage.repo
     src = report.source
@@ -91,7 +93,7 @@ def download_shards(
         total = len(entries)
         all_shards = sorted({e.file for e in entries if e.file is not None})
     if not picked:
-        raise no_match(src, include, exclude)
+        raise no_match(src, asked.tensors, asked.exclude)
     report.tensors_total = total
     report.tensors_selected = len(chosen)
     if weight_map is None:  # sizes are known only when the headers were read

@@ -51,6 +51,7 @@ from .plan import (
     no_match,
     no_safetensors,
     planned_files,
+    save_globs,
     skipped_files,
     state_left_behind,
     top_level_extras,
@@ -318,7 +319,8 @@ def download_tensors(
     asked: DownloadRequest,
     progress: Progress,
 ) -> None:
-    include, exclude = asked.tensors, asked.exclude
+    # a training save's weights answer to the names inspect shows too (`model.lm_head.weight`)
+    include, exclude = save_globs(source, asked.tensors), save_globs(source, asked.exclude)
     extras, force = asked.extras, asked.force
     repo = storage.repo
     src = report.source
@@ -340,7 +342,7 @@ def download_tensors(
         chosen = with_sidecars(chosen, manifest.tensors, exclude)  # a weight needs its scales
     chosen = [e for e in chosen if e.is_raw]
     if not chosen:
-        raise no_match(src, include, exclude)
+        raise no_match(src, asked.tensors, asked.exclude)
     report.tensors_total = total
     report.tensors_selected = len(chosen)
     report.selected_bytes = sum(e.nbytes for e in chosen)
