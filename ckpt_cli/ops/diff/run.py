@@ -264,6 +264,32 @@ def _line_up(
     return best[1], best[2], best[3], best[4]
 
 
+def _component_hint(names_a: set[str], names_b: set[str]) -> str | None:
+    """When no name is on both sides, but one side's names are the other's under one
+    component prefix (a training save's `model.` against the weights it exported, a folder of
+    adapters' `default.` against one adapter), the `--select` that compares them: every name
+    of the smaller side is one of the larger side's, the prefix stripped."""
+    if not names_a or not names_b or names_a & names_b:
+        return None
+    for whole, part, whole_side, part_side in (
+        (names_a, names_b, "A", "B"),
+        (names_b, names_a, "B", "A"),
+    ):
+        grouped: dict[str, set[str]] = {}
+        for name in whole:  # one pass: a save of many top-level keys is no quadratic walk
+            prefix, dot, rest = name.partition(".")
+            if dot:
+                grouped.setdefault(prefix, set()).add(rest)
+        for prefix, under in sorted(grouped.items()):
+            if len(under) >= len(part) and part <= under:
+                return (
+                    f"no name is on both sides, and every name of {part_side} is one of "
+                    f"{whole_side}'s under {prefix!r} (its {prefix} component): --select "
+                    f"{prefix} compares them"
+                )
+    return None
+
+
 def _filtered(
     aligned: dict[str, Entry], filters: Sequence[str], excludes: Sequence[str] = ()
 ) -> dict[str, Entry]:
@@ -676,6 +702,10 @@ def diff_with(
                     f"compared, {other} has none ({', '.join(lone[:3])}"
                     f"{', …' if len(lone) > 3 else ''})"
                 )
+        if not select and naming_map is None:
+            hint = _component_hint(set(left), set(right))
+            if hint is not None:
+                warnings.append(hint)
         if select and not (applied_a or applied_b):
             raise NotFoundError(
                 f"neither checkpoint has entries under {select!r}",
