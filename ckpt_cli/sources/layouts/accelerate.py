@@ -230,18 +230,22 @@ def _rng_lost_since(
     this one (`older`, holding `older_names`) holds when this save holds none: `save_state`
     writes them at every save, last (`Layout.last_file`), so the save stopped before them or
     lost them, and `load_state` goes on without them (it logs "Could not load random
-    states"). A save with some of them is `ranks_lost_since`' to judge; one `ckpt prune
-    --slim-older-than` slimmed dropped them on purpose."""
+    states"). A save with some of them is `ranks_lost_since`' to judge, a rank whose own data
+    files are here `missing_rank_states`'; one `ckpt prune --slim-older-than` slimmed dropped
+    them on purpose."""
     from ..runs import SLIM_RECORD
 
     if layout.rank_files is None or folder.has(SLIM_RECORD):
         return []
     if any(layout.rank_file_rank(name) is not None for name in folder.names):
         return []
-    ranks = sorted({r for r in map(layout.rank_file_rank, older_names) if r is not None})
-    if not ranks:
+    held = {r for r in map(layout.rank_file_rank, older_names) if r is not None}
+    if not held:
         return []
-    world = ranks[-1] + 1
+    world = max(held) + 1
+    # a rank whose own data files are here (an FSDP folder's `__1_0.distcp`) is
+    # `missing_rank_states`' already: one problem a file
+    ranks = sorted(held - saved_world(source, folder, layout).with_data)
     return [
         Problem(
             code="missing_rank_rng",
