@@ -1366,6 +1366,10 @@ def test_a_lost_rank_rng_file_is_found_against_the_runs_other_saves(tmp_path: Pa
                 if rank in kept:
                     # what the Trainer writes per process (`rng_state_{process_index}.pth`)
                     torch.save({"cpu": stream.get_state()}, folder / f"rng_state_{rank}.pth")
+        # saved an hour ago: a save that lost a file is incomplete, not one still being written
+        for path in [*run.rglob("*"), run]:
+            stat = path.stat()
+            os.utime(path, (stat.st_atime - 3600, stat.st_mtime - 3600))
 
     lost = tmp_path / "lost"
     build(lost, {100: (0, 1), 200: (0,), 300: (0, 1)})
@@ -1386,8 +1390,12 @@ def test_a_lost_rank_rng_file_is_found_against_the_runs_other_saves(tmp_path: Pa
     result = run_ckpt("doctor", whole, "--json")
     assert result.exit_code == 0 and result.json["result"]["causes"] == [], result.stdout
 
-    # resumed on 1 rank after a stop (the earlier saves an hour old): fewer states, no loss
+    # resumed on 1 rank after a stop (the earlier saves an hour old): fewer states, no loss;
+    # the Trainer on one process writes `rng_state.pth`
     build(fewer := tmp_path / "fewer", {100: (0, 1), 200: (0, 1), 300: (0,)})
+    (fewer / "checkpoint-300" / "rng_state_0.pth").rename(
+        fewer / "checkpoint-300" / "rng_state.pth"
+    )
     for name in ("checkpoint-100", "checkpoint-200"):
         for path in [*(fewer / name).rglob("*"), fewer / name]:
             stat = path.stat()

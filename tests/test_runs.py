@@ -1297,6 +1297,16 @@ def test_a_trainer_run_resumed_on_another_number_of_processes_keeps_its_newest_s
     pruned = run_ckpt("prune", out, "--incomplete", "--yes")
     assert pruned.exit_code == 0, pruned.stderr
     assert all((out / f"checkpoint-{s}").is_dir() for s in (100, 200, 300))
+    if ranks == (2, 1):
+        # a 2-process save that lost rank 1's file is still found: its rng_state_0.pth says
+        # several processes saved it, and the save before holds rng_state_1.pth
+        (out / "checkpoint-200" / "rng_state_1.pth").unlink()
+        age(out)
+        assert table(out)["checkpoint-200"]["status"] == "incomplete"
+        lost = run_ckpt("verify", out / "checkpoint-200", "--json").json["result"]["problems"]
+        assert [(p["code"], p["file"]) for p in lost] == [
+            ("missing_rank_rng", str(out / "checkpoint-200" / "rng_state_1.pth"))
+        ], lost
 
 
 def test_verify_of_an_accelerate_save_that_lost_every_ranks_rng_states_fails(

@@ -861,10 +861,11 @@ def ranks_lost_since(
       multi-process save (DDP) that lost its highest rank's file looks like a smaller run's
       on its own, since neither accelerate nor the Trainer records the number of processes;
       a run resumed with fewer processes has its first save after the change so reported;
-    - a rank below the lowest here (rank 0's `random_states_0.pkl` beside rank 1's): every
-      process count has a rank 0, so a smaller run still writes it, and alone the save looks
-      like one node's folder of a `save_on_each_node` run on node-local disks
-      (`rank_rng_elsewhere`), whose save before it holds no other node's files either.
+    - a rank below the world its own files say (rank 0's `random_states_0.pkl` beside rank
+      1's; the Trainer's `rng_state_1.pth` beside an `rng_state_0.pth`, which only a
+      multi-process run writes): a smaller run still has that rank and writes its file, and
+      alone the save looks like one node's folder of a `save_on_each_node` run on node-local
+      disks (`rank_rng_elsewhere`), whose save before it holds no other node's files either.
 
     A rank between two here, or with its own data files here, is `missing_rank_states`' (lost
     whatever the save before holds). `finish` keeps this problem, not the doubt, for the file.
@@ -886,7 +887,9 @@ def ranks_lost_since(
     saved = saved_world(source, folder, layout)
     held = {r for r in map(layout.rank_file_rank, older_names) if r is not None}
     ranks = sorted(
-        r for r in held - have if r >= saved.world or (r < min(have) and r not in saved.with_data)
+        r
+        for r in held - have
+        if r >= saved.world or not (r in saved.with_data or min(have) < r < max(have))
     )
     world = max(held | have) + 1
     fewer = (
