@@ -1092,3 +1092,37 @@ def test_protecting_and_repairing_an_old_save_keeps_its_save_time_for_latest_and
     assert rows["checkpoint-100"]["action"] == "delete", rows["checkpoint-100"]
     # the save's files are what they were: torch.load reads the rebuilt optimizer
     assert "state" in torch.load(oldest / "optimizer.pt", weights_only=True)
+
+
+def test_prune_deletes_and_slims_old_protected_saves_as_its_plan_says(tmp_path: Path) -> None:
+    """The plan `prune` prints for a run whose old saves were protected today is the one
+    `--yes` carries out: the protected save it would delete is deleted (with its parity), not
+    left as "modified since the plan was made", and a protected save it slims keeps its save
+    time (and parity of what it now holds)."""
+    from .run_fixtures import trainer_run
+
+    run = trainer_run(tmp_path)
+    slimmed = run / "checkpoint-300"
+    saved = max(p.lstat().st_mtime for p in [slimmed, *slimmed.iterdir()])
+    for step in (100, 300):
+        assert run_ckpt("protect", run / f"checkpoint-{step}").exit_code == 0
+    policy = ("--keep-within", "30m", "--keep", "300", "--slim-older-than", "1")
+    plan = run_ckpt("prune", run, *policy, "--json")
+    rows = {c["name"]: c for c in json.loads(plan.stdout)["result"]["decisions"]}
+    assert rows["checkpoint-100"]["action"] == "delete"
+    assert rows["checkpoint-300"]["action"] == "slim"
+
+    done = run_ckpt("prune", run, *policy, "--yes", "--json")
+    assert done.exit_code == 0, done.stdout + done.stderr
+    assert not (run / "checkpoint-100").exists()
+    assert not (slimmed / "optimizer.pt").exists()
+    assert run_ckpt("verify", slimmed, "--checksums").exit_code == 0
+    table = json.loads(run_ckpt("latest", run, "--json").stdout)["result"]["checkpoints"]
+    row = next(c for c in table if c["name"] == "checkpoint-300")
+    assert row["slim"] and row["mtime"] <= saved + 1  # saved an hour ago, slimmed or not
+    weights = _read_safetensors(slimmed)
+    assert sorted(weights) == [
+        "model.embed.weight",
+        "model.layers.0.weight",
+        "model.layers.1.weight",
+    ]

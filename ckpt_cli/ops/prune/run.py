@@ -24,7 +24,7 @@ from ...errors import CkptError, NotFoundError, UsageError
 from ...faults import notice
 from ...sources.runs import DELETING, RunReport, is_remote, scan_run
 from ...sources.runs.records import CHECKSUM_MANIFEST
-from ...storage import PARITY_DIR
+from ...storage import PARITY_DIR, is_parity_path
 from ...storage.output import TMP_MARKER, fsync_dir, recover_old_copies_in
 from ...storage.uri import is_hub_url, parse_location
 from .retention import (
@@ -50,9 +50,12 @@ def _confined(run_dir: Path, path: Path) -> bool:
 
 
 def _newest_write(path: Path) -> float:
+    """The newest write to a checkpoint, as the plan's settle window judged it: its parity
+    (`ckpt protect`, added later) dates no save."""
     newest = path.lstat().st_mtime
     if path.is_dir() and not path.is_symlink():
-        for dirpath, _dirs, files in os.walk(path):
+        for dirpath, dirs, files in os.walk(path):
+            dirs[:] = [d for d in dirs if not is_parity_path(d)]
             for fname in files:
                 try:
                     newest = max(newest, os.lstat(os.path.join(dirpath, fname)).st_mtime)

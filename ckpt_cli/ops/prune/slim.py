@@ -268,10 +268,15 @@ def _protect_again(root: Path, old: ParityManifest) -> None:
 
 
 def _newest_ns(root: Path) -> int:
-    """When the save was made: the newest mtime (ns) of the checkpoint and what it holds."""
+    """When the save was made: the newest mtime (ns) of the checkpoint and what it holds,
+    its parity aside (`ckpt protect` of an old save is no new save)."""
     stamps = [root.lstat().st_mtime_ns]
     if root.is_dir() and not root.is_symlink():
-        stamps += [p.lstat().st_mtime_ns for p in root.rglob("*")]
+        stamps += [
+            p.lstat().st_mtime_ns
+            for p in root.rglob("*")
+            if not any(is_parity_path(part) for part in p.relative_to(root).parts)
+        ]
     return max(stamps)
 
 
