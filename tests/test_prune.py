@@ -848,3 +848,43 @@ def test_prune_incomplete_orders_accelerate_saves_by_their_number_as_latest_does
         "incomplete, newer than the newest complete checkpoint",
     ), rules
     assert [s.is_dir() for s in saves] == [True, False, True, True]
+
+
+def test_incomplete_keeps_a_protected_save_damaged_since_and_repair_brings_it_back(
+    tmp_path: Path,
+) -> None:
+    """A torchtitan run's old save was protected; a disk error later cut its `.distcp` short.
+    `latest` rightly skips it, but it is no interrupted save: `ckpt protect` blesses whole
+    saves only, and its parity rebuilds it. `prune --incomplete --yes` keeps it and says how
+    to repair it (it used to delete it with the interrupted ones); `ckpt repair` then gives
+    `dcp.load` the save as it was written."""
+    import torch.distributed.checkpoint as dcp
+
+    from .run_fixtures import titan_states
+
+    run = tmp_path / "run"
+    for step in (10, 20, 30):
+        dcp_save(run / f"step-{step}", step)
+    age(run)
+    damaged = run / "step-10"
+    assert run_ckpt("protect", damaged).exit_code == 0
+    data = damaged / "__0_0.distcp"
+    with open(data, "r+b") as fh:
+        fh.truncate(data.stat().st_size - 50)  # its last block: within what the parity rebuilds
+    age(damaged)  # the damage is old news: outside the settle window
+
+    table = run_ckpt("latest", run, "--json")
+    rows = {c["name"]: c for c in table.json["result"]["checkpoints"]}
+    assert table.stdout and rows["step-10"]["status"] == "incomplete"
+    assert "protected" in rows["step-10"]["markers"]
+    result = run_ckpt("prune", run, "--keep-last", "1", "--incomplete", "--yes", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    action, rule = decisions(result)["step-10"]
+    assert action == "keep" and f"ckpt repair {damaged}" in rule
+    assert survivors(run) == ["step-10", "step-30"]
+
+    assert run_ckpt("repair", damaged).exit_code == 0
+    want = titan_states(10)["model"]
+    got = {k: torch.empty_like(v) for k, v in want.items()}  # type: ignore[union-attr]
+    dcp.load({"model": got}, checkpoint_id=str(damaged), no_dist=True)
+    assert all(torch.equal(got[k], v) for k, v in want.items())  # type: ignore[union-attr]

@@ -16,6 +16,7 @@ from ...errors import UsageError
 from ...models import Record, Request
 from ...sources.runs import (
     DEFAULT_SETTLE,
+    PROTECTED,
     UNMARKED,
     BestMetric,
     RunCheckpoint,
@@ -340,6 +341,10 @@ def _decide(
     if not c.complete:
         if rules:
             return "keep", rules
+        if PROTECTED in c.markers:
+            # `ckpt protect` blesses whole saves only: this one was damaged since (a lost or
+            # corrupt file), not interrupted, and its parity may rebuild it
+            return "keep", [f"protected, damaged since: `ckpt repair {c.path}` rebuilds it"]
         if not policy.incomplete:
             return "keep", [f"{c.status} (--incomplete removes it)"]
         if newest is None or not _older_than(c, newest):

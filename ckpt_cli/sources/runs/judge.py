@@ -27,7 +27,14 @@ from ...formats.base import Source
 from ...formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
 from ...formats.sniff import SNIFF_BYTES, is_pickle, what_is
 from ...formats.weight_map import load_index_json
-from ...storage import LocalStorage, Storage, StorageRangeFile, is_parity_path
+from ...storage import (
+    PARITY_DIR,
+    PARITY_MANIFEST,
+    LocalStorage,
+    Storage,
+    StorageRangeFile,
+    is_parity_path,
+)
 from ...storage.base import FolderView
 from ...storage.output import TMP_MARKER, staging_held
 from ...storage.uri import parse_location
@@ -42,6 +49,7 @@ from .records import (
     CHECKSUM_MANIFEST,
     DELETING,
     METRICS_FILE,
+    PROTECTED,
     RUN_SLIM_RECORD,
     SLIM_RECORD,
     BestMetric,
@@ -96,6 +104,10 @@ def judge_found(
         symlink=link is not None,
         link_target=link[0] if link else None,
     )
+    if item.is_dir and f"{primary}/{PARITY_DIR}/{PARITY_MANIFEST}" in files:
+        # `ckpt protect` blesses whole saves only: one found damaged since can be rebuilt
+        # (`ckpt repair`), and `prune --incomplete` never takes it for an interrupted save
+        entry.markers.append(PROTECTED)
     if item.temporary:
         what = "deletion" if f"{TMP_MARKER}{DELETING}" in primary.rsplit("/", 1)[-1] else "save"
         # ckpt's own staging folder is held by the process writing it: being written, however

@@ -41,6 +41,8 @@ def still_deleting(pid: int) -> bool:
     return True
 
 
+#: the run-table marker of a save `ckpt protect` wrote parity for (its parity manifest is there)
+PROTECTED = "protected"
 #: metric file read from the run folder
 METRICS_FILE = "metrics.jsonl"
 #: written into a checkpoint folder that `prune --slim-older-than` slimmed to its weights
@@ -94,7 +96,9 @@ class RunCheckpoint(Record):
         link_target: where the link points.
         markers: `newest` (newest complete), `trainer-best` (the Trainer's
             `best_model_checkpoint`), `deepspeed-latest` (named by the `latest` file),
-            `link-target` (a symlink in the run folder points at it), `best` (best by metric).
+            `link-target` (a symlink in the run folder points at it), `best` (best by metric),
+            `weights-only` (slimmed), `protected` (a folder holding `ckpt protect`'s parity:
+            incomplete, it was damaged since, never interrupted, and `prune` keeps it).
         metric: the value of the metric asked for, at this checkpoint's step.
         slim: `prune --slim-older-than` removed its optimizer / RNG / data-loader state: it
             holds weights only, is complete but not a resume point (marker `weights-only`).
