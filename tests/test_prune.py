@@ -888,3 +888,29 @@ def test_incomplete_keeps_a_protected_save_damaged_since_and_repair_brings_it_ba
     got = {k: torch.empty_like(v) for k, v in want.items()}  # type: ignore[union-attr]
     dcp.load({"model": got}, checkpoint_id=str(damaged), no_dist=True)
     assert all(torch.equal(got[k], v) for k, v in want.items())  # type: ignore[union-attr]
+
+
+def test_incomplete_keeps_a_protected_checkpoint_file_damaged_since(tmp_path: Path) -> None:
+    """The same for a run of single files (Lightning's `.ckpt`, whose parity lies beside it in
+    `.ckpt-parity/NAME/`): the protected file that lost its tail is kept by `--incomplete`
+    and rebuilt by `ckpt repair`, for `torch.load` to read."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (100, 200, 300):
+        torch.save(weights(step), run / f"epoch=0-step={step}.ckpt")
+    damaged = run / "epoch=0-step=100.ckpt"
+    assert run_ckpt("protect", damaged, "--whole-files").exit_code == 0
+    with open(damaged, "r+b") as fh:
+        fh.truncate(damaged.stat().st_size // 2)
+    age(run)
+
+    rows = {c["name"]: c for c in run_ckpt("latest", run, "--json").json["result"]["checkpoints"]}
+    assert rows[damaged.name]["status"] == "incomplete"
+    assert "protected" in rows[damaged.name]["markers"]
+    result = run_ckpt("prune", run, "--keep-last", "1", "--incomplete", "--yes", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert decisions(result)[damaged.name][0] == "keep"
+    assert survivors(run) == [".ckpt-parity", damaged.name, "epoch=0-step=300.ckpt"]
+    assert run_ckpt("repair", damaged).exit_code == 0
+    loaded = torch.load(damaged, weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in weights(100).items())

@@ -104,7 +104,7 @@ def judge_found(
         symlink=link is not None,
         link_target=link[0] if link else None,
     )
-    if item.is_dir and f"{primary}/{PARITY_DIR}/{PARITY_MANIFEST}" in files:
+    if _protected(run, item, files):
         # `ckpt protect` blesses whole saves only: one found damaged since can be rebuilt
         # (`ckpt repair`), and `prune --incomplete` never takes it for an interrupted save
         entry.markers.append(PROTECTED)
@@ -179,6 +179,17 @@ def judge_found(
     if recent:
         return with_status(entry, "writing", f"modified in the last {settle:g} s: {problem}")
     return with_status(entry, "incomplete", problem)
+
+
+def _protected(run: RunListing, item: Found, files: Mapping[str, int]) -> bool:
+    """Whether `ckpt protect` wrote parity for the save: a folder's own `.ckpt-parity/`, or
+    the `.ckpt-parity/NAME/` beside a single file (where the listing says)."""
+    primary = item.rels[0]
+    if item.is_dir:
+        return f"{primary}/{PARITY_DIR}/{PARITY_MANIFEST}" in files
+    folder, _, name = primary.rpartition("/")
+    beside = f"{folder}/" if folder else ""
+    return len(item.rels) == 1 and run.holds(f"{beside}{PARITY_DIR}/{name}/{PARITY_MANIFEST}")
 
 
 def files_layout(storage: Storage, item: Found, files: Mapping[str, int]) -> Layout | None:

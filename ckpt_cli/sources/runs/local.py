@@ -174,6 +174,9 @@ class LocalListing(RunListing):
     def where(self, rel: str) -> str:
         return str(self.root / rel)
 
+    def holds(self, rel: str) -> bool:
+        return (self.root / rel).is_file()
+
     def link(self, item: Found) -> tuple[str, bool] | None:
         path = self.root / item.rels[0]
         if not path.is_symlink():

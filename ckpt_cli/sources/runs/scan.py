@@ -79,6 +79,11 @@ class RunListing(ABC):
         """(where it points, whether that exists) when the candidate is a symbolic link."""
         return None
 
+    def holds(self, rel: str) -> bool:
+        """Whether the run folder holds file `rel` outside every candidate (a single-file
+        checkpoint's parity, `.ckpt-parity/NAME/`); False where the listing does not say."""
+        return False
+
     def stamp(self, rel: str) -> tuple[int, int] | None:
         """(size, mtime in ns) of a file, following links, when the listing knows them: what
         the record of a slimmed single-file checkpoint is compared with."""
