@@ -1126,3 +1126,30 @@ def test_prune_deletes_and_slims_old_protected_saves_as_its_plan_says(tmp_path: 
         "model.layers.0.weight",
         "model.layers.1.weight",
     ]
+
+
+def test_slimming_a_protected_save_never_blesses_a_corrupt_weights_file(tmp_path: Path) -> None:
+    """A protected save's weights took a bit flip (its header still parses: the save looks
+    complete). `prune --slim-older-than` protects the slimmed save again; that new parity
+    would record the flipped bytes as its content, and the old parity, which could undo
+    them, would be gone. The slim is refused for that save, naming the file, and `ckpt
+    repair` still restores it for `safe_open`."""
+    from .run_fixtures import age, trainer_run, weights
+
+    run = trainer_run(tmp_path)
+    save = run / "checkpoint-100"
+    assert run_ckpt("protect", save).exit_code == 0
+    model = save / "model.safetensors"
+    _flip(model, model.stat().st_size - 8)  # tensor data, not the header
+    age(save)  # found long after: outside the settle window
+    plan = run_ckpt("prune", run, "--slim-older-than", "1", "--yes", "--json")
+    assert plan.exit_code == 1, plan.stdout + plan.stderr
+    row = next(d for d in json.loads(plan.stdout)["result"]["decisions"] if d["name"] == save.name)
+    assert "model.safetensors" in row["error"], row
+    assert (save / "optimizer.pt").is_file()  # untouched: not slimmed
+    verify = run_ckpt("verify", save, "--checksums")
+    assert verify.exit_code == 1 and "damaged_blocks" in verify.stdout
+    assert run_ckpt("repair", save).exit_code == 0
+    with safe_open(str(model), framework="pt") as f:
+        for name, tensor in weights(100).items():
+            assert torch.equal(f.get_tensor(name), tensor)

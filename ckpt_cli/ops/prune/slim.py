@@ -178,6 +178,8 @@ def slim(action: SlimAction, checkpoint: str | Path) -> int:
     checked = _check_against_manifest(root, action)
     saved_ns = _newest_ns(root)
     protected = _parity_of(root)
+    if protected is not None:
+        _check_against_parity(root, action, protected)
     record: dict[str, object] = {
         "ckpt_slim": 1,
         "slimmed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -343,6 +345,43 @@ def _check_against_manifest(root: Path, action: SlimAction) -> dict[str, tuple[s
             "the checkpoint is protected, or from a good copy), then slim.",
         )
     return {rel: (digests[rel], stamps[rel]) for rel in digests}
+
+
+def _check_against_parity(root: Path, action: SlimAction, protected: ParityManifest) -> None:
+    """The files a slim keeps (a rewrite: every file it reads), checked against the sha256s
+    of the parity manifest of a protected save first. The slimmed save is protected again:
+    the new parity would record a damaged file as its content, and the old one, which can
+    still rebuild it, would be gone.
+
+    Raises:
+        FormatError: a kept file is missing or no longer matches its parity (nothing is
+            slimmed).
+    """
+    from ..parity.target import sha256_file
+
+    base = root if root.is_dir() else root.parent
+    dropped = set(action.files) if action.how == "remove" else set()
+    bad: list[str] = []
+    for f in protected.files:
+        if f.path in dropped:
+            continue
+        path = base / f.path
+        try:
+            intact = path.stat().st_size == f.size and sha256_file(path) == f.sha256
+        except FileNotFoundError:
+            intact = False
+        if not intact:
+            bad.append(f.path)
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        raise FormatError(
+            f"{shown} {'is' if len(bad) == 1 else 'are'} missing or no longer "
+            f"{'matches' if len(bad) == 1 else 'match'} the parity `ckpt protect` wrote; "
+            "slimming protects the save again and would record the damage as its content",
+            path=str(base / bad[0]),
+            fix=f"Rebuild it with `ckpt repair {root}` (see `ckpt verify {root} --checksums`), "
+            "then slim.",
+        )
 
 
 def _refresh_manifest(root: Path, checked: dict[str, tuple[str, _Stamp]]) -> None:
