@@ -1153,3 +1153,23 @@ def test_slimming_a_protected_save_never_blesses_a_corrupt_weights_file(tmp_path
     with safe_open(str(model), framework="pt") as f:
         for name, tensor in weights(100).items():
             assert torch.equal(f.get_tensor(name), tensor)
+
+
+def test_latest_finding_only_damaged_protected_saves_says_repair_can_rebuild_them(
+    tmp_path: Path,
+) -> None:
+    """A resume script's `ckpt latest` finds no complete save (exit 3): the one there is
+    protected and lost a file since. Its message says `ckpt repair` can rebuild it, rather
+    than only that the save is incomplete."""
+    from .run_fixtures import age, trainer_run
+
+    run = trainer_run(tmp_path, steps=(100,))
+    save = run / "checkpoint-100"
+    assert run_ckpt("protect", save).exit_code == 0
+    (save / "scheduler.pt").unlink()
+    age(run)
+    result = run_ckpt("latest", run)
+    assert result.exit_code == 3 and result.stdout == ""
+    assert f"`ckpt repair {save}`" in result.stderr, result.stderr
+    assert run_ckpt("repair", save).exit_code == 0
+    assert run_ckpt("latest", run).stdout.strip() == str(save)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ...sources.runs import RunReport
+from ...sources.runs import PROTECTED, RunReport
 from . import safe_text, warn
 
 
@@ -28,6 +28,12 @@ def render_latest(report: RunReport) -> None:
         return
     errors.print(f"ckpt latest: {report.run_dir}: no complete checkpoint", soft_wrap=True)
     for c in reversed(report.checkpoints):
+        # `ckpt protect` blessed it whole: damaged since, and its parity may rebuild it
+        damaged = PROTECTED in c.markers and c.status == "incomplete"
+        repair = f" (protected: `ckpt repair {c.path}` can rebuild it)" if damaged else ""
         errors.print(
-            f"  {c.name}: {c.status}: {c.reason}", markup=False, highlight=False, soft_wrap=True
+            f"  {c.name}: {c.status}: {c.reason}{repair}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
         )
