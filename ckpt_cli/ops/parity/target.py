@@ -136,9 +136,12 @@ def folder_time_kept(target: ParityTarget) -> Iterator[None]:
     yield
     if folder is None or before is None:
         return
-    now = folder.stat()
-    if now.st_mtime_ns != before:
-        os.utime(folder, ns=(now.st_atime_ns, before))
+    # the time is the save's record, not its content: a folder whose time this user may not
+    # set (another's, shared) keeps the new one, and the parity or repair stands
+    with suppress(OSError):
+        now = folder.stat()
+        if now.st_mtime_ns != before:
+            os.utime(folder, ns=(now.st_atime_ns, before))
 
 
 def read_parity_manifest(target: ParityTarget) -> ParityManifest | None:
