@@ -1173,3 +1173,21 @@ def test_latest_finding_only_damaged_protected_saves_says_repair_can_rebuild_the
     assert f"`ckpt repair {save}`" in result.stderr, result.stderr
     assert run_ckpt("repair", save).exit_code == 0
     assert run_ckpt("latest", run).stdout.strip() == str(save)
+
+
+def test_a_save_that_lost_a_file_and_was_repaired_keeps_its_save_time(tmp_path: Path) -> None:
+    """An hour-old protected save loses its optimizer.pt (deleted by mistake) and is
+    repaired: the folder is again what was saved, so `latest` and `prune --keep-within` date
+    it by its save, not by the deletion and repair of today."""
+    from .run_fixtures import trainer_run
+
+    run = trainer_run(tmp_path, steps=(100, 200))
+    save = run / "checkpoint-100"
+    saved = max(p.lstat().st_mtime for p in [save, *save.iterdir()])
+    assert run_ckpt("protect", save).exit_code == 0
+    (save / "optimizer.pt").unlink()
+    assert run_ckpt("repair", save).exit_code == 0
+    table = json.loads(run_ckpt("latest", run, "--json").stdout)["result"]["checkpoints"]
+    row = next(c for c in table if c["name"] == save.name)
+    assert row["status"] == "complete" and row["mtime"] <= saved + 1
+    assert "state" in torch.load(save / "optimizer.pt", weights_only=True)

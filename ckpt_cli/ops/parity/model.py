@@ -81,6 +81,9 @@ class ParityManifest(Record):
         whole_files: any K whole files lost can be rebuilt (False: striped within itself).
         files: the data files, in block order.
         shares: the parity shares `parity-0.bin` ... `parity-{K-1}.bin`.
+        folder_mtime_ns: the checkpoint folder's modification time when protected (a local
+            folder; None otherwise, and in manifests older than this field): a repair that
+            put back a deleted file dates the folder so again.
     """
 
     ckpt_parity: int = PARITY_VERSION
@@ -96,6 +99,7 @@ class ParityManifest(Record):
     whole_files: bool
     files: list[ProtectedFile]
     shares: list[ProtectedFile]
+    folder_mtime_ns: int | None = None
 
 
 class DamagedFile(Record):

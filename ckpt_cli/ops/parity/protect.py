@@ -51,6 +51,7 @@ from .target import (
     BlockReader,
     ParityTarget,
     check_unchanged,
+    checkpoint_folder,
     folder_time_kept,
     on_leader,
     open_parity_target,
@@ -347,7 +348,9 @@ def _prepare(
         )
         for name, size, start in zip(names, sizes, plan.starts, strict=True)
     ]
+    folder = checkpoint_folder(target)
     manifest = ParityManifest(
+        folder_mtime_ns=folder.stat().st_mtime_ns if folder is not None else None,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         tool=f"ckpt {__version__}",
         block_size=block,

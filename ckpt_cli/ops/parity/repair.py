@@ -148,7 +148,7 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
             )
     with _repair_staging(target) as staging:
         staged = _rebuild(target, scan, staging, progress)
-        with folder_time_kept(target):
+        with folder_time_kept(target, m.folder_mtime_ns):
             _publish_repaired(target, staged)
     report.rebuilt = [d.path for d in report.damaged]
     return report

@@ -125,13 +125,22 @@ def written_at(target: ParityTarget, rel: str) -> int | None:
     return local.lstat().st_mtime_ns if local is not None else None
 
 
+def checkpoint_folder(target: ParityTarget) -> Path | None:
+    """The checkpoint folder on this machine (a folder SRC), else None."""
+    return target.storage.local_root if target.source.target is None else None
+
+
 @contextmanager
-def folder_time_kept(target: ParityTarget) -> Iterator[None]:
+def folder_time_kept(target: ParityTarget, protected_ns: int | None = None) -> Iterator[None]:
     """Give the checkpoint folder (local, a folder SRC) back the modification time it had
     before the block: publishing the parity, or a rebuilt file, renames an entry into it,
     which would date the save now, and `latest` and `prune` (the settle window,
-    `--keep-within`) would take an old save protected or repaired today for a fresh one."""
-    folder = target.storage.local_root if target.source.target is None else None
+    `--keep-within`) would take an old save protected or repaired today for a fresh one.
+
+    `protected_ns` (repair: the folder's time when protected): the folder is dated no later
+    than that or its newest entry, whichever is newer, so a deleted file put back leaves the
+    save as old as it was (an entry added since keeps its own, newer, time)."""
+    folder = checkpoint_folder(target)
     before = folder.stat().st_mtime_ns if folder is not None else None
     yield
     if folder is None or before is None:
@@ -139,9 +148,14 @@ def folder_time_kept(target: ParityTarget) -> Iterator[None]:
     # the time is the save's record, not its content: a folder whose time this user may not
     # set (another's, shared) keeps the new one, and the parity or repair stands
     with suppress(OSError):
+        stamp = before
+        if protected_ns is not None:
+            entries = [e for e in os.scandir(folder) if not is_parity_path(e.name)]
+            newest = max((e.stat(follow_symlinks=False).st_mtime_ns for e in entries), default=0)
+            stamp = min(before, max(protected_ns, newest))
         now = folder.stat()
-        if now.st_mtime_ns != before:
-            os.utime(folder, ns=(now.st_atime_ns, before))
+        if now.st_mtime_ns != stamp:
+            os.utime(folder, ns=(now.st_atime_ns, stamp))
 
 
 def read_parity_manifest(target: ParityTarget) -> ParityManifest | None:
