@@ -260,6 +260,40 @@ def test_hub_asks_for_the_headers_while_the_index_is_on_its_way(
         assert len(reads) == 1, (shard, [r.range for r in reads])
 
 
+def test_hub_asks_for_the_headers_of_a_hundred_shards_in_one_wave(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """A hundred shards (DeepSeek-V3 has 163): their headers are asked for together, up to
+    the 100 connections huggingface_hub's client pools, not 64 at a time (3 waves of
+    requests for DeepSeek-V3, a round trip or two each); no byte read twice."""
+    import numpy as np
+
+    shards = 100
+    src = tmp_path / "src"
+    src.mkdir()
+    weight_map: dict[str, str] = {}
+    for s in range(shards):
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {f"layers.{s}.weight": np.full((2, 2), s, dtype=np.float32)}
+        save_file(tensors, str(src / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    hub.add_repo("org/many", src)
+    hub.latency = 0.5  # each request is answered late: the ones asked together overlap
+    hub.reset_counters()
+
+    result = run_ckpt("verify", "hf://org/many", "--json")
+
+    assert result.exit_code == 0, result.stderr
+    assert result.json["ok"] is True
+    assert hub.max_in_flight > 80, hub.max_in_flight
+    for n in weight_map.values():  # a small file's header: its length, then the rest, once
+        reads = [r.range for r in hub.file_requests("org/many", n) if r.status == 206]
+        assert reads == ["bytes=0-7", "bytes=8-79"], (n, reads)
+
+
 def test_hub_without_an_index_reads_each_header_whole_in_at_most_two_requests(
     hub: TestHub, tmp_path: Path
 ) -> None:

@@ -30,8 +30,13 @@ if TYPE_CHECKING:
     # imported where the pool is made: a local SRC never needs it (start-up, #30)
     from concurrent.futures import Future, ThreadPoolExecutor
 
-#: heads fetched at once (requests in flight); HTTP clients pool about 100 connections
-HEAD_WORKERS = 64
+#: heads fetched at once: every shard of DeepSeek-V3's 163 in one wave. huggingface_hub's client
+#: pools 100 connections; the requests past them wait for one to come free, which still beats
+#: fewer workers: each freed connection takes the next request at once, a second hop (the CDN
+#: redirect) or the next shard's first (163 shards behind a 400 ms round trip: 64 workers
+#: took ~12 round trips for the headers, 192 ~7). S3's pool is sized to match
+#: (`_pool_options` in remote.py).
+HEAD_WORKERS = 192
 #: bytes of heads held at once, fetched and not yet taken
 HEAD_BUDGET = 64 << 20
 #: the longest head fetched ahead; a longer header is read by its reader, when it gets to it
