@@ -2305,3 +2305,59 @@ def test_a_pull_killed_while_replacing_a_copy_is_settled_by_the_next_pull(
     assert (back / "checkpoint-200" / "model.safetensors").read_bytes() == bytes(rewritten)
     assert not [p.name for p in back.iterdir() if p.name.startswith(".")]  # nothing hidden
     assert run_ckpt("verify", back / "checkpoint-200", "--checksums").exit_code == 0
+
+
+@pytest.mark.parametrize("kept", ["whole", "torn"])
+def test_a_pull_cut_inside_a_file_resumes_that_file_where_it_stopped(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: str
+) -> None:
+    """A pull killed in the middle of a large file (a 10 GB optimizer.pt cut at 9 GB) keeps
+    what it wrote of it; the next pull asks the store only for the rest, checks the whole
+    file against the checkpoint's manifest, and publishes the same bytes. Where what was
+    kept is not the object's start (`torn`: a machine that lost power before the bytes
+    reached the disk), the manifest's digest says so and the file is fetched whole again."""
+    from ckpt_cli.ops.sync import pull
+    from ckpt_cli.storage.remote import FsspecStorage
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run").exit_code == 0
+    big = max((out / "checkpoint-100").iterdir(), key=lambda p: p.stat().st_size)
+    size = big.stat().st_size
+    block = size // 4  # the file comes in four reads
+    monkeypatch.setattr(pull, "UPLOAD_BLOCK", block)
+    real_read = FsspecStorage.read
+    reads: list[int] = []
+
+    def cut_at_the_third_block(self: FsspecStorage, rel: str, offset: int, length: int) -> bytes:
+        if rel.endswith(big.name) and length == block:
+            reads.append(offset)
+            if len(reads) == 3:
+                raise KeyboardInterrupt
+        return real_read(self, rel, offset, length)
+
+    monkeypatch.setattr(FsspecStorage, "read", cut_at_the_third_block)
+    fresh = tmp_path / "fresh"
+    cut = run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--latest")
+    assert cut.exit_code == 130, cut.stderr
+    part = fresh / ".checkpoint-100.ckpt-tmp-pull" / f"{big.name}.part"
+    assert part.stat().st_size == 2 * block
+    monkeypatch.setattr(FsspecStorage, "read", real_read)
+    if kept == "torn":
+        part.write_bytes(bytes(2 * block))
+    s3_server.requests.clear()
+
+    again = run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--latest", "--json")
+
+    assert again.exit_code == 0, again.stderr
+    done = again.json["result"]["checkpoints"][0]
+    assert done["action"] == "downloaded" and done["verified"] is True
+    key = f"/{BUCKET}/run/checkpoint-100/{big.name}"
+    asked = [r.range for r in s3_server.requests if r.path == key and r.method == "GET"]
+    # the rest of the file, from where the cut pull stopped; its first half again only when
+    # what was kept of it was wrong
+    assert f"bytes={2 * block}-{3 * block - 1}" in asked, asked
+    first_half = {f"bytes=0-{block - 1}", f"bytes={block}-{2 * block - 1}"}
+    assert (first_half <= set(asked)) == (kept == "torn"), asked
+    assert (fresh / "checkpoint-100" / big.name).read_bytes() == big.read_bytes()
+    assert not part.exists()

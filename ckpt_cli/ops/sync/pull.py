@@ -117,6 +117,25 @@ def _fetch(
         raise io_failure(exc, part, "writing") from None
 
 
+def _resumable(part: Path, size: int, hasher: Any) -> int:
+    """How many bytes of `part`, left by a pull cut in the middle of this file, the fetch
+    keeps (fed to `hasher`): all of them when the checkpoint's manifest records the file's
+    digest (`hasher`), which then judges the whole file; none without one, or when `part` is
+    no shorter than the file."""
+    if hasher is None:
+        return 0
+    try:
+        held = part.stat().st_size
+    except FileNotFoundError:
+        return 0
+    if not 0 < held < size:
+        return 0
+    with open(part, "rb") as src:
+        while block := src.read(UPLOAD_BLOCK):
+            hasher.update(block)
+    return held
+
+
 def _fetch_into(
     storage: Storage,
     rel: str,
@@ -127,8 +146,10 @@ def _fetch_into(
     limit: RateLimit,
 ) -> str | None:
     hasher = new() if new else None
-    with open(part, "wb") as out:
-        offset = 0
+    offset = _resumable(part, size, hasher)
+    with open(part, "r+b" if offset else "wb") as out:
+        out.seek(offset)
+        out.truncate()
         while offset < size:
             block = storage.read(rel, offset, min(UPLOAD_BLOCK, size - offset))
             if not block:
@@ -244,7 +265,14 @@ def _download(
                 result.files_reused += 1
                 _stamp(target, storage, rel)
                 continue
+            part = target.with_name(target.name + ".part")
+            resumed = new is not None and part.is_file()
             digest = _fetch(storage, rel, size, target, new, limit)
+            if resumed and expected is not None and expected.digest != digest:
+                # the kept start of the file was not the object's (a torn write, an object
+                # rewritten since): fetched whole once more before the copy is judged damaged
+                target.unlink()
+                digest = _fetch(storage, rel, size, target, new, limit)
             _stamp(target, storage, rel)
             result.files_sent += 1
             result.bytes_sent += size
