@@ -304,6 +304,7 @@ def test_a_1_mb_torch_file_whose_pickle_inflates_to_1_gib_is_refused(tmp_path: P
     assert_refused(verify, bomb, "data.pkl", exit_code=1)
 
 
+@pytest.mark.slow
 def test_a_pickle_deflated_a_thousandfold_under_the_size_cap_is_refused(tmp_path: Path) -> None:
     bomb = _deflated_pickle_bomb(tmp_path / "ratio.pt", 128 << 20)  # under 256 MiB, ~1000x
     assert_refused(ckpt_limited("inspect", bomb), bomb, "zip bomb")
@@ -1149,6 +1150,7 @@ def test_a_sparse_4_gib_refs_file_of_the_hf_cache_is_never_read_whole(
     assert ref.read_text() == commit
 
 
+@pytest.mark.slow
 def test_a_sparse_4_gib_manifest_of_a_pulled_copy_is_never_read_whole(
     s3_server: Any, tmp_path: Path
 ) -> None:

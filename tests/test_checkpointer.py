@@ -2405,6 +2405,7 @@ def test_a_sigterm_on_each_rank_at_another_point_of_the_save_never_leaves_them_o
     assert latest(run) == str(run / "step-1")
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_local_save_is_pulled_whole_from_the_bucket_not_passed_over(
     tmp_path: Path, s3_server: S3Server
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -239,6 +240,7 @@ def test_force_never_replaces_the_folder_the_user_is_in(
     assert (work / "notes" / "model" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_a_folder_with_both_formats_sharded_reads_as_safetensors_everywhere(
     hub: TestHub, s3_server: object, tmp_path: Path
 ) -> None:

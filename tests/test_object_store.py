@@ -95,6 +95,7 @@ def test_inspect_and_verify_read_only_headers(
     assert max(ends) < 16 << 10
 
 
+@pytest.mark.slow
 def test_verify_checksums_streams_remote_files(
     sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server, tmp_path: Path
 ) -> None:

@@ -183,6 +183,7 @@ def test_protect_and_repair_resolve_their_checkpoint_once(tmp_path: Path, counts
     assert counts.of(folder)[:2] == (1, 1)
 
 
+@pytest.mark.slow
 def test_run_commands_list_the_run_folder_once(
     tmp_path: Path, counts: Counts, s3_server: S3Server
 ) -> None:

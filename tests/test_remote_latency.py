@@ -260,6 +260,7 @@ def test_hub_asks_for_the_headers_while_the_index_is_on_its_way(
         assert len(reads) == 1, (shard, [r.range for r in reads])
 
 
+@pytest.mark.slow
 def test_hub_asks_for_the_headers_of_a_hundred_shards_in_one_wave(
     hub: TestHub, tmp_path: Path
 ) -> None:

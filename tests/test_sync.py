@@ -746,6 +746,7 @@ def test_the_stores_manifests_are_read_side_by_side_once_each(
     assert [r.path for r in s3_server.requests if r.method == "HEAD"] == []
 
 
+@pytest.mark.slow
 def test_what_a_sync_does_not_carry_is_named(s3_server: S3Server, tmp_path: Path) -> None:
     """sync moves step checkpoints, `latest` and `metrics.jsonl`. The Trainer's final model at
     the run's root, its `runs/` logs, a script: these stayed behind and nothing said so; now
@@ -1456,6 +1457,7 @@ def _pushed_then_cut_after_one_file(
     return out, tmp_path / "fresh", real_fetch
 
 
+@pytest.mark.slow
 def test_an_interrupted_pull_says_its_staging_is_kept_to_resume(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1803,6 +1805,7 @@ def test_parts_carry_their_crc32_to_a_store_that_checks_and_a_damaged_part_is_re
     assert checked.exit_code == 0, checked.stdout
 
 
+@pytest.mark.slow
 def test_latest_is_the_buckets_newest_complete_save_when_the_local_run_lacks_it(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -2183,6 +2186,7 @@ def test_the_next_sync_aborts_the_multipart_upload_of_a_sigkilled_one(
     ).read_bytes()
 
 
+@pytest.mark.slow
 def test_the_next_sync_removes_what_a_sync_killed_at_its_end_left_at_the_root(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
