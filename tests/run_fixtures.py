@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import save_torch_state_dict
@@ -166,3 +168,29 @@ def dcp_save(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def accelerate_run(run: Path, saves: int, *, processes: int = 1) -> tuple[Any, list[Path]]:
+    """An accelerate loop on CPU of `saves` steps, each saved by `save_state` with automatic
+    naming (`run/checkpoints/checkpoint_N`); with `processes=2`, each save also holds what
+    process 1 of a 2-process DDP run writes beside rank 0's files (`random_states_1.pkl`).
+    The Accelerator (for `load_state`) and the save folders."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
+    )
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    folders = [run / "checkpoints" / f"checkpoint_{i}" for i in range(saves)]
+    for save in folders:
+        model(torch.randn(2, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.save_state()
+        for rank in range(1, processes):
+            shutil.copy(save / "random_states_0.pkl", save / f"random_states_{rank}.pkl")
+    return accelerator, folders

@@ -20,6 +20,7 @@ from ckpt_cli.ops.prune.run import watch
 
 from .conftest import run_ckpt, run_ckpt_process
 from .run_fixtures import (
+    accelerate_run,
     age,
     dcp_save,
     interrupted_trainer_save,
@@ -814,23 +815,8 @@ def test_prune_incomplete_orders_accelerate_saves_by_their_number_as_latest_does
     # short after the newest whole one was deleted (the rule keeps those), and one cut short
     # before it was kept
     pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-
     run = tmp_path / "run"
-    accelerator = Accelerator(
-        cpu=True,
-        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
-    )
-    model = torch.nn.Linear(8, 4)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    saves = [run / "checkpoints" / f"checkpoint_{i}" for i in range(4)]
-    for _ in saves:
-        model(torch.randn(2, 8)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        accelerator.save_state()
+    _, saves = accelerate_run(run, 4)
     # checkpoint_1 and checkpoint_3 cut short before their RNG states (written last)
     for cut in (saves[1], saves[3]):
         (cut / "random_states_0.pkl").unlink()

@@ -15,6 +15,7 @@ from ckpt_cli.sources.runs import looks_like_run, scan_run
 
 from .conftest import denying_prefix, run_ckpt, run_ckpt_json_as, run_ckpt_process
 from .run_fixtures import (
+    accelerate_run,
     age,
     dcp_save,
     interrupted_trainer_save,
@@ -1209,25 +1210,8 @@ def test_a_save_that_lost_rank_0s_rng_states_its_save_before_holds_is_no_latest(
     # settled and `convert` wrote it. A run of any number of processes writes rank 0's file,
     # and the save before holds it: lost, as a lost highest rank's file is
     pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-
     run = tmp_path / "run"
-    accelerator = Accelerator(
-        cpu=True,
-        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
-    )
-    model = torch.nn.Linear(8, 4)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    folders = [run / "checkpoints" / f"checkpoint_{i}" for i in range(3)]
-    for save in folders:
-        model(torch.randn(2, 8)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        accelerator.save_state()
-        # what process 1 of the run writes beside rank 0's files
-        shutil.copy(save / "random_states_0.pkl", save / "random_states_1.pkl")
+    accelerator, folders = accelerate_run(run, 3, processes=2)
     (folders[-1] / "random_states_0.pkl").unlink()
     trainer = tmp_path / "out"
     for step in (100, 200, 300):
@@ -1319,25 +1303,8 @@ def test_verify_of_an_accelerate_save_that_lost_every_ranks_rng_states_fails(
     # random states"), so the resumed run draws other random numbers. The save before holds
     # them: lost
     pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-
     run = tmp_path / "run"
-    accelerator = Accelerator(
-        cpu=True,
-        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
-    )
-    model = torch.nn.Linear(8, 4)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    folders = [run / "checkpoints" / f"checkpoint_{i}" for i in range(2)]
-    for save in folders:
-        model(torch.randn(2, 8)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        accelerator.save_state()
-        # what process 1 of the run writes beside rank 0's files
-        shutil.copy(save / "random_states_0.pkl", save / "random_states_1.pkl")
+    accelerator, folders = accelerate_run(run, 2, processes=2)
     for lost in folders[1].glob("random_states_*.pkl"):
         lost.unlink()
     accelerator.load_state(str(folders[1]))  # the real reader goes on without them
