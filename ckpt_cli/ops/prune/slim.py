@@ -335,16 +335,24 @@ def _check_against_manifest(root: Path, action: SlimAction) -> dict[str, tuple[s
     wrong += [rel for rel, digest in digests.items() if digest != kept[rel].digest]
     if missing or wrong:
         bad = sorted(wrong) + sorted(missing)
-        shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
         raise FormatError(
-            f"{shown} {'is' if len(bad) == 1 else 'are'} missing or no longer "
-            f"{'matches' if len(bad) == 1 else 'match'} {MANIFEST_NAME}; slimming rewrites the "
-            "manifest and would record the damage as the checkpoint's content",
+            f"{_damaged(bad, MANIFEST_NAME)}; slimming rewrites the manifest and would record "
+            "the damage as the checkpoint's content",
             path=str(root / bad[0]),
             fix=f"See `ckpt verify {root} --checksums`; restore the file (`ckpt repair` where "
             "the checkpoint is protected, or from a good copy), then slim.",
         )
     return {rel: (digests[rel], stamps[rel]) for rel in digests}
+
+
+def _damaged(bad: list[str], record: str) -> str:
+    """`a, b, c (+N more) are missing or no longer match RECORD` (a manifest, a parity)."""
+    shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+    one = len(bad) == 1
+    return (
+        f"{shown} {'is' if one else 'are'} missing or no longer "
+        f"{'matches' if one else 'match'} {record}"
+    )
 
 
 def _check_against_parity(root: Path, action: SlimAction, protected: ParityManifest) -> None:
@@ -373,11 +381,9 @@ def _check_against_parity(root: Path, action: SlimAction, protected: ParityManif
         if not intact:
             bad.append(f.path)
     if bad:
-        shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
         raise FormatError(
-            f"{shown} {'is' if len(bad) == 1 else 'are'} missing or no longer "
-            f"{'matches' if len(bad) == 1 else 'match'} the parity `ckpt protect` wrote; "
-            "slimming protects the save again and would record the damage as its content",
+            f"{_damaged(bad, 'the parity `ckpt protect` wrote')}; slimming protects the save "
+            "again and would record the damage as its content",
             path=str(base / bad[0]),
             fix=f"Rebuild it with `ckpt repair {root}` (see `ckpt verify {root} --checksums`), "
             "then slim.",
