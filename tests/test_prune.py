@@ -197,23 +197,8 @@ def test_keep_last_orders_accelerates_automatically_named_saves_by_their_number(
     # saves are ordered by N, so --keep-last deletes the older ones (it kept them all, "no step
     # or epoch in its name"); --keep-every, a rule on steps, still never matches them
     pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-
     run = tmp_path / "run"
-    accelerator = Accelerator(
-        cpu=True,
-        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
-    )
-    model = torch.nn.Linear(8, 4)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    for step in range(1, 9):
-        model(torch.randn(2, 8)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if step % 2 == 0:
-            accelerator.save_state()
+    accelerate_run(run, 4)
     age(run)
     saves = run / "checkpoints"
     plan = decisions(run_ckpt("prune", run, "--keep-last", "2", "--keep-every", "2", "--json"))

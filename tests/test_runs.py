@@ -462,25 +462,8 @@ def test_a_ddp_save_that_lost_its_highest_ranks_rng_states_is_no_latest(
     # accelerate's load_state on 2 ranks goes on with rank 1's RNG as it is. The save before
     # it holds both files: the newest lost one
     pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-
     run = tmp_path / "run"
-    accelerator = Accelerator(
-        cpu=True,
-        project_config=ProjectConfiguration(project_dir=str(run), automatic_checkpoint_naming=True),
-    )
-    model = torch.nn.Linear(8, 4)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    folders = [run / "checkpoints" / f"checkpoint_{i}" for i in range(saves)]
-    for save in folders:
-        model(torch.randn(2, 8)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        accelerator.save_state()
-        # what process 1 of the run writes beside rank 0's files
-        shutil.copy(save / "random_states_0.pkl", save / "random_states_1.pkl")
+    accelerator, folders = accelerate_run(run, saves, processes=2)
     (folders[-1] / "random_states_1.pkl").unlink()
     age(run)
     rows = table(run)
