@@ -1,12 +1,13 @@
-"""Benchmark `ckpt merge` (LoRA, DoRA, LoRA on MoE expert stacks) against what users run otherwise: peft's
+"""Benchmark `ckpt merge` (LoRA, DoRA, LoKr, LoRA on MoE expert stacks) against what users run otherwise: peft's
 `PeftModel.from_pretrained(base).merge_and_unload().save_pretrained(out)`. Run by hand, not in
 tests.
 
     PYTHONPATH=. python bench/bench_merge.py [WORKDIR] [--gb 0.5] [--rounds 1]
 
 Builds a Llama-shaped base of about `--gb` GiB (bf16, GQA) with transformers' own
-`save_pretrained`, and a LoRA and a DoRA adapter (r=16 on every linear layer of the blocks,
-every factor and magnitude moved from its initial value) with peft's `save_pretrained`; and a
+`save_pretrained`, and a LoRA, a DoRA and a LoKr adapter (r=16 on every linear layer of the
+blocks, every factor and magnitude moved from its initial value) with peft's `save_pretrained`;
+and a
 Qwen3-MoE-shaped base of about the same size (32 experts a layer, stored one tensor per expert as
 `save_pretrained` writes them) with a LoRA on its expert stacks (`target_parameters`, r=16). Then
 measures, interleaved over `--rounds` rounds (wall time and peak RSS via /usr/bin/time, page
@@ -33,21 +34,24 @@ BUILD = """
 import sys, torch, warnings
 warnings.simplefilter("ignore")
 from transformers import LlamaConfig, LlamaForCausalLM
-from peft import LoraConfig, get_peft_model
+from peft import LoKrConfig, LoraConfig, get_peft_model
 root, layers = sys.argv[1], int(sys.argv[2])
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8)
 LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(f"{root}/base")
 targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-for kind in ("lora", "dora"):
+for kind in ("lora", "dora", "lokr"):
     torch.manual_seed(1)
     model = LlamaForCausalLM.from_pretrained(f"{root}/base", dtype=torch.bfloat16)
-    lora = LoraConfig(r=16, lora_alpha=32, target_modules=targets, use_dora=kind == "dora")
+    if kind == "lokr":
+        lora = LoKrConfig(r=16, alpha=32, target_modules=targets, decompose_both=True)
+    else:
+        lora = LoraConfig(r=16, lora_alpha=32, target_modules=targets, use_dora=kind == "dora")
     model = get_peft_model(model, lora)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora_" in name:
+            if "lora_" in name or "lokr_" in name:
                 param.add_(torch.randn_like(param) * 0.01)
     model.save_pretrained(f"{root}/{kind}")
 """
@@ -110,7 +114,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     # a block of this shape is about 28.4 MiB in bf16; the embedding and head 125 MiB
     layers = max(1, round((args.gb * 1024 - 125) / 28.4))
-    if not (root / "dora").exists():
+    if not (root / "lokr").exists():
         subprocess.run([PY, "-c", BUILD, str(root), str(layers)], env=ENV, check=True)
     # a MoE block of this shape is about 100 MiB in bf16 (its 32 experts 96 MiB)
     moe_layers = max(1, round((args.gb * 1024 - 125) / 100))
@@ -118,7 +122,12 @@ def main() -> None:
         subprocess.run([PY, "-c", BUILD_MOE, str(root), str(moe_layers)], env=ENV, check=True)
     size = sum(f.stat().st_size for f in (root / "base").glob("*.safetensors")) / 2**30
     moe_size = sum(f.stat().st_size for f in (root / "moe-base").glob("*.safetensors")) / 2**30
-    bases = {"lora": root / "base", "dora": root / "base", "moe": root / "moe-base"}
+    bases = {
+        "lora": root / "base",
+        "dora": root / "base",
+        "lokr": root / "base",
+        "moe": root / "moe-base",
+    }
     times: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for _ in range(args.rounds):
         for kind, base in bases.items():
@@ -139,7 +148,7 @@ def main() -> None:
     )
     print("| adapter | ckpt merge | peft merge_and_unload | time ratio | memory ratio |")
     print("|---|---|---|---|---|")
-    labels = {"lora": "LoRA", "dora": "DoRA", "moe": "LoRA on MoE experts"}
+    labels = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "moe": "LoRA on MoE experts"}
     for kind in bases:
         ours = [statistics.median(x) for x in zip(*times[(kind, "ckpt")], strict=True)]
         theirs = [statistics.median(x) for x in zip(*times[(kind, "peft")], strict=True)]

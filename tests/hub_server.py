@@ -150,6 +150,8 @@ class TestHub:
         self._corrupt: dict[tuple[str, str], list[object]] = {}
         self._holds: dict[tuple[str, str], threading.Event] = {}
         self._hold_most = 30.0
+        #: the held GETs answered because `hold`'s time ran out, not because its event was set
+        self.held_too_long: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         hub = self
 
@@ -368,8 +370,9 @@ class TestHub:
     def _wait_if_held(self, repo_id: str, path: str) -> None:
         with self._lock:
             gate = self._holds.get((repo_id, path))
-        if gate is not None:
-            gate.wait(self._hold_most)
+        if gate is not None and not gate.wait(self._hold_most):
+            with self._lock:
+                self.held_too_long.append((repo_id, path))
 
     def _count(self, repo_id: str, path: str, n: int) -> None:
         with self._lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -103,45 +104,22 @@ def fp16_variant_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import json
 
     import torch
-    from diffusers import (
-        AutoencoderKL,
-        DDIMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline
+    from transformers import CLIPTokenizer
 
     torch.manual_seed(0)
     work = tmp_path_factory.mktemp("sd")
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1, "a</w>": 2, "a": 3}
     (work / "vocab.json").write_text(json.dumps(vocab))
     (work / "merges.txt").write_text("#version: 0.2\n")
-    unet = UNet2DConditionModel(
-        sample_size=8,
-        layers_per_block=1,
-        block_out_channels=(8, 16),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=8,
-        norm_num_groups=4,
-        attention_head_dim=2,
-    )
+    unet = tiny_unet()
     vae = AutoencoderKL(
         latent_channels=4,
         block_out_channels=(8,),
         layers_per_block=1,
         norm_num_groups=4,
     )
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=4,
-            hidden_size=8,
-            intermediate_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            max_position_embeddings=8,
-        )
-    )
+    text_encoder = tiny_clip_text_encoder()
     pipe = StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
@@ -273,3 +251,38 @@ def trainer_runs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "final": root / "final",
         "model_only": _train(tiny_llama, root / "model_only", save_only_model=True, steps=1),
     }
+
+
+def tiny_unet() -> Any:
+    """The tiny Stable Diffusion UNet the diffusers fixtures and tests build (seeded: the same
+    weights each time), cross-attending to `tiny_clip_text_encoder`'s width."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=8,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=8,
+        norm_num_groups=4,
+        attention_head_dim=2,
+    )
+
+
+def tiny_clip_text_encoder() -> Any:
+    """The tiny CLIP text encoder of the diffusers fixtures (4 tokens, width 8)."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    return CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=4,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=8,
+        )
+    )

@@ -20,6 +20,7 @@ import torch
 from .conftest import run_ckpt
 from .dist_helpers import run_torchrun
 from .framework_fixtures import ACCELERATE_FSDP_SCRIPT, FSDP_STATE_DICTS
+from .hub_server import TestHub
 
 # each save, and each load, is a 2-rank torchrun job building a Llama: minutes on a busy machine
 pytestmark = [pytest.mark.torchrun, pytest.mark.frameworks, pytest.mark.timeout(1200)]
@@ -325,3 +326,59 @@ def test_per_rank_files_are_read_checked_for_every_rank_and_converted(
     )
     assert resharded.exit_code == 2, resharded.stdout + resharded.stderr
     assert "one file per rank" in resharded.stderr and not (tmp_path / "ws4").exists()
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_an_fsdp_save_on_the_hub_downloads_whole_and_resumes(
+    accelerate_fsdp_saves: dict[str, Path], hub: TestHub, kind: str, tmp_path: Path
+) -> None:
+    """A user uploads the FSDP `save_state` folder (or a Trainer pushes it as `last-checkpoint/`)
+    and fetches it on another machine with `ckpt download`. It was refused, exit 4, "holds no
+    safetensors checkpoint (nor torch.save weights)": FSDP's weights are DCP folders
+    (`pytorch_model_fsdp_0/`) or several `pytorch_model_fsdp*.bin`. The whole save comes, byte
+    for byte, every file checked against the Hub's hash, and a tensor filter, which cannot pick
+    tensors out of it, is refused with what to do instead."""
+    save = accelerate_fsdp_saves[kind]
+    files = {
+        f"last-checkpoint/{p.relative_to(save).as_posix()}": p.read_bytes()
+        for p in save.rglob("*")
+        if p.is_file()
+    }
+    hub.add_repo("org/fsdp-run", files)
+    src = "hf://org/fsdp-run/last-checkpoint"
+    out = tmp_path / "copy"
+
+    whole = run_ckpt("download", src, out, "--json")
+    assert whole.exit_code == 0, whole.stdout + whole.stderr
+    report = whole.json["result"]
+    assert report["skipped"] == [], report["skipped"]
+    source_files = sorted(p.relative_to(save).as_posix() for p in save.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == (
+        source_files
+    )
+    for rel in source_files:
+        assert (out / rel).read_bytes() == (save / rel).read_bytes(), rel
+    kinds = {f["path"]: f["kind"] for f in report["files"]}
+    model, optimizer = (
+        ("pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata")
+        if kind == "sharded"
+        else ("pytorch_model_fsdp.bin", "optimizer.bin")
+    )
+    assert kinds[model] == "weights" and kinds[optimizer] == "state"
+    assert kinds["random_states_1.pkl"] == "state"
+    assert all(f["verified"] for f in report["files"]), report["files"]
+    checked = run_ckpt("verify", out, "--json")
+    assert checked.exit_code == 0, checked.stdout
+    assert checked.json["result"]["training"]["resumable"] is True
+    same = run_ckpt("diff", save, out, "--json").json["result"]
+    assert same["identical"] is True and same["compared"] > 100
+
+    # tensors cannot be picked out of it: refused, nothing written, the fix named
+    for options in (("--filter", "lm_head.*"), ("--mode", "tensors")):
+        part = tmp_path / "part"
+        refused = run_ckpt("download", src, part, *options, "--json")
+        assert refused.exit_code == 2, refused.stdout + refused.stderr
+        error = refused.json["error"]
+        assert "FSDP" in error["problem"], error
+        assert "ckpt convert" in error["fix"] and "--select" in error["fix"], error
+        assert not part.exists()

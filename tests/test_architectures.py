@@ -146,6 +146,214 @@ def test_a_torchtitan_moe_without_load_balancing_diffs_identical_in_its_naming(
     assert json.loads(r.stdout)["result"]["naming"]["transforms_b"]["zeros"] == 2
 
 
+def _deepseek_hf(folder: Path, **change: Any) -> dict[str, Any]:
+    """A tiny transformers DeepSeek-V3 (low-rank query, one dense layer then two MoE layers of
+    8 experts in 2 groups and a shared expert) saved by `save_pretrained`; its config."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    sizes: dict[str, Any] = {
+        "vocab_size": 40,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 8,
+        "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "n_group": 2,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+    }
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**sizes, **change}))
+    with torch.no_grad():  # a trained router correction bias: not zeros
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer))
+    model.save_pretrained(folder)
+    config: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    return config
+
+
+def test_a_deepseek_v3_round_trips_through_torchtitan_names(tmp_path: Path) -> None:
+    """A transformers DeepSeek-V3 (MLA, dense first layer, MoE with shared experts and a
+    router correction bias) converts to torchtitan's names (experts stacked, the bias as
+    torchtitan's `expert_bias_E`) and back, bit-identical; `inspect` names the family."""
+    _deepseek_hf(tmp_path / "hf")
+    tt = tmp_path / "tt"
+    r = run_ckpt("convert", tmp_path / "hf", tt, "--to", "torchtitan", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)["result"]["architecture"]
+    assert doc["architecture"] == "deepseek-v3"
+    assert doc["transforms"] == {"rename": 43, "stack-experts": 6}
+    r = run_ckpt("inspect", tt)
+    assert "architecture: DeepSeek-V3 (deepseek-v3) in torchtitan names" in r.stdout, r.stdout
+    r = run_ckpt("convert", tt, tmp_path / "back", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    want, got = _hf_tensors(tmp_path / "hf"), _hf_tensors(tmp_path / "back")
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    r = run_ckpt("diff", tt, tmp_path / "hf", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["result"]["identical"], r.stdout
+
+
+def test_a_deepseek_v3_without_a_load_balancing_bias_exports_the_neutral_one(
+    tmp_path: Path,
+) -> None:
+    """torchtitan built without load balancing (`load_balance_coeff=None`) saves no
+    `expert_bias_E`; transformers' DeepSeek-V3 router always holds its correction bias. The
+    export writes its neutral value (zeros: routing by the scores alone, as torchtitan's
+    model did), so `from_pretrained` finds every weight."""
+    from transformers import AutoModelForCausalLM
+
+    config = _deepseek_hf(tmp_path / "hf")
+    tt = tmp_path / "tt"
+    assert run_ckpt("convert", tmp_path / "hf", tt, "--to", "torchtitan").exit_code == 0
+    plain = tmp_path / "plain"
+    r = run_ckpt("convert", tt, plain, "--to", "dcp", "--filter-out", "*.expert_bias_E")
+    assert r.exit_code == 0, r.stderr
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    r = run_ckpt("convert", plain, out, "--to", "hf", "--config", tmp_path / "config.json")
+    assert r.exit_code == 0, r.stderr
+    got = _hf_tensors(out)
+    biases = {n: t for n, t in got.items() if n.endswith("e_score_correction_bias")}
+    assert sorted(biases) == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)]
+    assert all(t.dtype == torch.float32 and not t.any() for t in biases.values())
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_a_deepseek_v3_cast_to_bf16_keeps_its_router_bias_in_float32(tmp_path: Path) -> None:
+    """`--dtype bf16` cast DeepSeek-V3's router correction bias too. It shifts which experts
+    each token is routed to by small amounts, so DeepSeek's own checkpoints store it in
+    float32 beside bf16 weights, transformers keeps it float32 (`_keep_in_fp32_modules_strict`)
+    and torchtitan keeps `expert_bias_E` a float32 buffer: a bf16 copy routes some tokens
+    elsewhere. Both ways, the cast now leaves it as stored; every weight is cast."""
+    config = _deepseek_hf(tmp_path / "hf")
+    original = _hf_tensors(tmp_path / "hf")
+    tt = tmp_path / "tt"
+    r = run_ckpt("convert", tmp_path / "hf", tt, "--to", "torchtitan", "--dtype", "bf16")
+    assert r.exit_code == 0, r.stderr
+    r = run_ckpt("convert", tt, tmp_path / "back", "--to", "hf")  # as stored: no cast
+    assert r.exit_code == 0, r.stderr
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    r = run_ckpt(
+        "convert", tt, out, "--to", "hf", "--dtype", "bf16", "--config", tmp_path / "config.json"
+    )
+    assert r.exit_code == 0, r.stderr
+    for folder in (tmp_path / "back", out):
+        got = _hf_tensors(folder)
+        assert got.keys() == original.keys()
+        for name, tensor in got.items():
+            if name.endswith("e_score_correction_bias"):
+                assert tensor.dtype == torch.float32 and torch.equal(tensor, original[name])
+            else:
+                assert tensor.dtype == torch.bfloat16, name
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"first_k_dense_replace": 2}, "layer 1 holds an MoE, where first_k_dense_replace=2"),
+        ({"q_lora_rank": None}, "is a low-rank query projection, where q_lora_rank=null"),
+        (
+            {"kv_lora_rank": 32},
+            "kv_a_proj_with_mqa.weight has 20 rows, where kv_lora_rank=32 + qk_rope_head_dim=4 = 36",
+        ),
+        ({"v_head_dim": 4}, "num_attention_heads=4 x (qk_nope_head_dim=8 + v_head_dim=4) = 48"),
+        ({"n_shared_experts": 2}, "moe_intermediate_size=16 x n_shared_experts=2 = 32"),
+        ({"rope_interleave": False}, "rope_interleave: false"),
+    ],
+    ids=["dense-layers", "q-lora", "kv-lora", "v-head-dim", "shared-experts", "rope-halves"],
+)
+def test_a_deepseek_v3_config_that_does_not_fit_its_weights_is_refused(
+    tmp_path: Path, change: dict[str, Any], named: str
+) -> None:
+    """The DeepSeek-V3 settings transformers builds its modules from (MLA ranks and head
+    widths, which layers are dense, the shared experts' width, interleaved rotary rows) are
+    held against the tensors: a config.json that does not fit is refused (exit 4), naming the
+    tensor and the setting, before anything is written."""
+    config = _deepseek_hf(tmp_path / "hf")
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({**config, **change}))
+    out = tmp_path / "tt"
+    r = run_ckpt("convert", tmp_path / "hf", out, "--to", "torchtitan", "--config", bad)
+    assert r.exit_code == 4, r.stdout + r.stderr
+    assert named in " ".join(r.stderr.split()), r.stderr
+    assert not out.exists()
+
+
+def test_a_deepseek_v3_with_its_mtp_layer_imports_without_it(tmp_path: Path) -> None:
+    """DeepSeek's own checkpoints (deepseek-ai/DeepSeek-V3) save the multi-token-prediction
+    module as the layer after the last (`model.layers.61`: a whole layer plus `enorm`,
+    `hnorm`, `eh_proj`, `shared_head.*`, `embed_tokens`), which transformers' model does not
+    build. `--to torchtitan` refused such a folder ("no known model architecture matches").
+    It now imports the model's layers and leaves the MTP layer out whole, listed with why."""
+    config = _deepseek_hf(tmp_path / "hf")
+    layers, dim, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+    model = load_file(tmp_path / "hf" / "model.safetensors")
+    last = f"model.layers.{layers - 1}."
+    mtp = {
+        name.replace(last, f"model.layers.{layers}."): tensor.clone()
+        for name, tensor in model.items()
+        if name.startswith(last)
+    }
+    extra = {"enorm.weight": [dim], "hnorm.weight": [dim], "eh_proj.weight": [dim, 2 * dim]}
+    extra |= {"shared_head.norm.weight": [dim], "shared_head.head.weight": [vocab, dim]}
+    extra |= {"embed_tokens.weight": [vocab, dim]}
+    for name, shape in extra.items():
+        mtp[f"model.layers.{layers}.{name}"] = torch.randn(shape)
+    save_file({**model, **mtp}, tmp_path / "hf" / "model.safetensors")
+    tt = tmp_path / "tt"
+    r = run_ckpt("convert", tmp_path / "hf", tt, "--to", "torchtitan", "--json")
+    assert r.exit_code == 0, r.stderr
+    skipped = {s["name"]: s["reason"] for s in json.loads(r.stdout)["result"]["skipped"]}
+    assert set(mtp) <= set(skipped)
+    assert all("multi-token prediction" in skipped[name] for name in mtp)
+    r = run_ckpt("convert", tt, tmp_path / "back", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    back = _hf_tensors(tmp_path / "back")
+    assert back.keys() == model.keys()
+    assert all(torch.equal(back[name], tensor) for name, tensor in model.items())
+
+
+def test_deepseek_v3_multi_token_prediction_layers_are_left_out_named() -> None:
+    """torchtitan's DeepSeek-V3 with multi-token prediction saves `mtp_layers.*`, a training
+    head transformers' DeepseekV3ForCausalLM has no module for: the export leaves them out
+    and says why, never under a made-up name."""
+    from ckpt_cli.architectures import get_architecture
+    from ckpt_cli.architectures.base import ModelArgs
+
+    arch = get_architecture("deepseek-v3")
+    entries = [
+        ("tok_embeddings.weight", [40, 32], "float32"),
+        ("layers.0.attention.wkv_a.weight", [20, 32], "float32"),
+        ("mtp_layers.0.eh_proj.weight", [32, 64], "float32"),
+        ("mtp_layers.0.attention.wkv_a.weight", [20, 32], "float32"),
+    ]
+    assert arch.recognise([n for n, _, _ in entries]) is None  # a part of a model only
+    plan = arch.plan(entries, "torchtitan", "hf", ModelArgs())
+    assert [t.name for t in plan.tensors] == [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+    ]
+    assert [name for name, _ in plan.left_out] == [
+        "mtp_layers.0.eh_proj.weight",
+        "mtp_layers.0.attention.wkv_a.weight",
+    ]
+    assert all("multi-token prediction" in why for _, why in plan.left_out)
+
+
 def test_rotary_permute_is_transformers_permute_and_inverts() -> None:
     """The permutation is transformers' `convert_llama_weights_to_hf.permute`, and the two
     directions undo each other exactly."""
@@ -511,7 +719,12 @@ def _script(*args: str | Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen3", "qwen3-moe"])
+#: the families whose MoE forward sums the routed experts in another order than torchtitan's
+#: grouped matmul: logits agree to 1e-4, not 1e-6 (weights bit-identical all the same)
+MOE_FAMILIES = ("qwen3-moe", "deepseek-v3")
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3", "qwen3-moe", "deepseek-v3"])
 def titan_model(request: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """A torchtitan run (`run/checkpoint/step-1`) of FAMILY and its references (`ref/`)."""
     family = request.param
@@ -561,8 +774,14 @@ def test_export_equals_torchtitan_to_hf_and_loads_in_transformers(
     assert logits.dtype == torch.float32
     # the weights are torchtitan's own to_hf bit for bit (above); the MoE forward sums the
     # routed experts in another order than torchtitan's grouped matmul (measured 2.6e-5)
-    tolerance = 1e-4 if family == "qwen3-moe" else 1e-6
+    tolerance = 1e-4 if family in MOE_FAMILIES else 1e-6
     assert (logits - reference).abs().max().item() <= tolerance
+    if family == "deepseek-v3":
+        # torchtitan's trained load-balancing bias is transformers' router correction bias:
+        # carried (it routes tokens), so the logits above agree
+        biases = [t for name, t in got.items() if name.endswith("e_score_correction_bias")]
+        assert len(biases) == 2 and all(bool(b.abs().sum() > 0) for b in biases)
+        assert doc["architecture"]["transforms"] == {"rename": 43, "unstack-experts": 48}
 
 
 @needs_frameworks
@@ -592,6 +811,8 @@ def test_diff_proves_an_export_holds_what_torchtitan_saved(
     )
     if family == "llama3":
         assert naming["transforms_a"]["rotary-permute"] == 4
+    if family == "deepseek-v3":  # two MoE layers of 8 experts
+        assert naming["transforms_a"]["unstack-experts"] == 3 * 8 * 2
     if family == "qwen3-moe":
         assert naming["transforms_a"]["unstack-experts"] == 3 * 4 * 2
         # torchtitan's load-balancing state has no HF counterpart: named, not compared
@@ -669,7 +890,7 @@ def test_export_without_config_builds_one_from_the_args(
     step = root / "run" / "checkpoint" / "step-1"
     r = run_ckpt("convert", step, tmp_path / "hf", "--to", "hf")
     assert r.exit_code == 4
-    missing = "n_heads" if family == "llama3" else "norm_eps"
+    missing = {"llama3": "n_heads", "deepseek-v3": "config"}.get(family, "norm_eps")
     assert f"needs {missing}" in " ".join(r.stderr.split()), r.stderr
     assert not (tmp_path / "hf").exists()
 
@@ -696,7 +917,7 @@ def test_import_loads_in_torchtitan_and_trains(
     loaded = torch.load(tmp_path / "out" / "loaded_logits.pt", weights_only=True)
     reference = torch.load(root / "ref" / "logits.pt", weights_only=True)
     assert torch.equal(loaded, reference)
-    tolerance = 1e-4 if family == "qwen3-moe" else 1e-6  # see the export test
+    tolerance = 1e-4 if family in MOE_FAMILIES else 1e-6  # see the export test
     assert (loaded - _hf_logits(hf)).abs().max().item() <= tolerance
     trained = torch.load(tmp_path / "out" / "trained.pt", weights_only=True)
     assert trained["restored"] and trained["moved"]
@@ -849,6 +1070,36 @@ def test_export_with_a_torchtitan_flavor_builds_config_json(tmp_path: Path) -> N
     assert (_hf_logits(legacy) - reference).abs().max().item() > limit
     r = run_ckpt("convert", step, tmp_path / "x", "--to", "hf", "--flavor", "nonesuch")
     assert r.exit_code == 2 and "debugmodel" in r.stderr
+
+
+@needs_frameworks
+@pytest.mark.frameworks
+@pytest.mark.slow
+@pytest.mark.parametrize("titan_model", ["deepseek-v3"], indirect=True)
+def test_a_deepseek_v3_config_built_from_its_torchtitan_model_computes_the_same(
+    titan_model: tuple[str, Path], tmp_path: Path
+) -> None:
+    """`--flavor` of a DeepSeek-V3 builds config.json from torchtitan's model config: its
+    MLA ranks, router groups, scaling and normalisation, the dense first layers, and yarn
+    rotary with torchtitan's softmax mscale (transformers' `mscale` = `mscale_all_dim`).
+    The config built from the tiny model's own torchtitan config gives transformers'
+    logits torchtitan's. torchtitan's debugmodel routes by softmax, which transformers'
+    DeepseekV3 never does: `--flavor debugmodel` is refused, naming why."""
+    _, root = titan_model
+    step = root / "run" / "checkpoint" / "step-1"
+    built = root / "ref" / "flavor_config.json"
+    config = json.loads(built.read_text())
+    assert config["rope_parameters"]["rope_type"] == "yarn"
+    assert config["rope_parameters"]["mscale"] == config["rope_parameters"]["mscale_all_dim"]
+    assert (config["n_group"], config["topk_group"], config["first_k_dense_replace"]) == (2, 1, 1)
+    r = run_ckpt("convert", step, tmp_path / "hf", "--to", "hf", "--config", built)
+    assert r.exit_code == 0, r.stderr
+    reference = torch.load(root / "ref" / "logits.pt", weights_only=True)
+    assert (_hf_logits(tmp_path / "hf") - reference).abs().max().item() <= 1e-4
+    r = run_ckpt("convert", step, tmp_path / "x", "--to", "hf", "--flavor", "debugmodel")
+    assert r.exit_code == 2, r.stdout + r.stderr
+    assert "routes by softmax" in " ".join(r.stderr.split()), r.stderr
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.fixture(scope="module")

@@ -373,11 +373,23 @@ def test_a_newest_save_that_lost_its_metadata_is_rebuilt_from_its_parity_and_loa
     assert latest(run) == str(run / "step-8")
 
 
+def _two_saves(run: Path, protect: int) -> None:
+    """Steps 1 and 2 of a Linear(8, 8) whose weight is filled with the step."""
+    from ckpt_cli import Checkpointer
+
+    model = torch.nn.Linear(8, 8)
+    with Checkpointer(run, protect=protect) as ck:
+        for step in (1, 2):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            ck.save(step, {"model": model})
+            assert (record := ck.wait()) is not None and record.phase == "done", record
+
+
 @pytest.mark.parametrize(
     ("garbled", "protect"),
     [
         ("ckpt-manifest.json", 0),
-        ("ckpt-manifest.json", 1),
         (".ckpt-parity/parity.index.json", 1),
     ],
 )
@@ -386,29 +398,53 @@ def test_a_newest_save_whose_checksum_manifest_is_corrupt_is_passed_over_with_th
 ) -> None:
     """A save's `ckpt-manifest.json` garbled on disk: load_latest raised verify's FormatError
     ("is not a valid ckpt checksum manifest") instead of judging the save damaged and passing
-    it over for the previous save, saying why (the parity does not cover the manifest: it
-    finds the data intact, which the reason says)."""
+    it over for the previous save, saying why."""
     from ckpt_cli import Checkpointer
 
     run = tmp_path / "run"
-    model = torch.nn.Linear(8, 8)
-    with Checkpointer(run, protect=protect) as ck:
-        for step in (1, 2):
-            with torch.no_grad():
-                model.weight.fill_(step)
-            ck.save(step, {"model": model})
-            assert (record := ck.wait()) is not None and record.phase == "done", record
+    _two_saves(run, protect)
     (run / "step-2" / garbled).write_text("{garbled")
     fresh = torch.nn.Linear(8, 8)
     loaded = Checkpointer(run).load_latest({"model": fresh})
     assert loaded is not None
     assert loaded.step == 1 and loaded.repaired == [] and len(loaded.skipped) == 1, loaded
     assert loaded.skipped[0].startswith("step-2: ") and garbled in loaded.skipped[0]
-    if protect and garbled == "ckpt-manifest.json":
-        assert "parity finds every file it covers intact" in loaded.skipped[0]
-    if protect and garbled != "ckpt-manifest.json":
+    if protect:
         assert loaded.skipped[0].endswith("so its parity cannot rebuild it"), loaded.skipped
     assert torch.equal(fresh.weight, torch.full_like(fresh.weight, float(loaded.step)))
+
+
+@pytest.mark.parametrize("data", ["intact", "flipped"])
+def test_a_garbled_checksum_manifest_of_a_save_whose_parity_finds_it_intact_is_written_again(
+    tmp_path: Path, data: str
+) -> None:
+    """A save written with protect= whose `ckpt-manifest.json` is garbled (parity does not
+    cover the manifest): load_latest passed the newest save over for the previous one, though
+    its parity proved every data file and `.metadata` intact. The manifest is now written
+    again from the files the parity vouches for, and the save loaded (named in `repaired`);
+    `ckpt verify --checksums` passes on it afterwards. With a data file damaged too, the
+    parity rebuilds it and the manifest is written again after it (it was passed over)."""
+    from ckpt_cli import Checkpointer
+
+    run = tmp_path / "run"
+    _two_saves(run, protect=1)
+    (run / "step-2" / "ckpt-manifest.json").write_text("{garbled")
+    rebuilt = []
+    if data == "flipped":
+        shard, offset, length = _weight_shard(run / "step-2")
+        damaged = bytearray(shard.read_bytes())
+        damaged[offset + length // 2] ^= 0xFF
+        shard.write_bytes(bytes(damaged))
+        rebuilt = [shard.name]
+    fresh = torch.nn.Linear(8, 8)
+    loaded = Checkpointer(run).load_latest({"model": fresh})
+    assert loaded is not None
+    assert (loaded.step, loaded.skipped) == (2, []), loaded
+    assert loaded.repaired == [*rebuilt, "ckpt-manifest.json"]
+    assert torch.equal(fresh.weight, torch.full_like(fresh.weight, 2.0))
+    checked = run_ckpt("verify", run / "step-2", "--checksums")
+    assert checked.exit_code == 0, checked.stdout + checked.stderr
+    assert latest(run) == str(run / "step-2")
 
 
 def test_a_newest_save_damaged_beyond_its_parity_is_passed_over_with_the_reason(
@@ -1463,6 +1499,43 @@ def test_a_plain_value_that_cannot_be_copied_is_refused_by_save_naming_the_entry
     assert latest(run) == str(run / "step-1")
 
 
+@pytest.mark.parametrize("kind", ["sparse", "meta", "quantized"])
+def test_a_tensor_with_no_dense_data_is_refused_by_save_naming_the_entry(
+    tmp_path: Path, kind: str
+) -> None:
+    """A sparse tensor (an embedding's sparse gradient kept in the state, a sparse mask) or
+    one on the meta device (a module never materialised), or a quantized one: `save` raised
+    torch's own `RuntimeError: copy_() between dense and sparse Tensors is not implemented!`
+    (or the meta copy's, or an internal assert) into the training loop. It now raises `UsageError` naming the entry and what
+    to save instead, nothing is written, and the next save goes on."""
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import UsageError
+
+    model = torch.nn.Linear(4, 4)
+    if kind == "sparse":
+        odd = torch.eye(4).to_sparse()
+    elif kind == "meta":
+        odd = torch.empty(4, device="meta")
+    else:
+        with warnings.catch_warnings():  # torch deprecates its quantized tensors
+            warnings.simplefilter("ignore")
+            odd = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    run = tmp_path / "run"
+    with Checkpointer(run) as ck:
+        with pytest.raises(UsageError) as raised:
+            ck.save(1, {"model": model, "extra": {"mask": odd}})
+        message = str(raised.value)
+        assert "'extra.mask'" in message, message
+        assert {"sparse": "sparse", "meta": "meta device", "quantized": "quantized"}[
+            kind
+        ] in message
+        assert raised.value.fix is not None
+        assert ck.status().in_flight is None and ck.status().saves == 0
+        ck.save(1, {"model": model})
+        assert (record := ck.wait()) is not None and record.phase == "done", record
+    assert latest(run) == str(run / "step-1")
+
+
 def test_a_save_that_fails_its_check_names_the_unpublished_save_not_its_removed_staging_folder(
     tmp_path: Path,
 ) -> None:
@@ -1563,6 +1636,118 @@ def test_a_save_removed_by_the_trainers_retention_while_an_evaluator_loads_it_sa
     assert "step 2 was removed while it was being loaded" in message, message
     assert "does not fit" not in message
     assert "load_latest again" in (raised.value.fix or "")
+
+
+def _publish_meanwhile(run: Path, stash: Path) -> None:
+    """What the training process does while an evaluator loads step-2: it publishes step-3
+    (written beforehand into `stash`) and its keep_last=1 retention removes step-2 as `ckpt
+    prune` does (a rename out of sight, then the removal)."""
+    if not (run / "step-2").exists():
+        return
+    (stash / "step-3").rename(run / "step-3")
+    gone = run / ".step-2.ckpt-tmp-del-test"
+    (run / "step-2").rename(gone)
+    shutil.rmtree(gone)
+
+
+@pytest.mark.parametrize("moment", ["read_metadata", "read_data"])
+def test_a_save_removed_while_an_evaluator_loads_it_gives_way_to_the_newer_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str
+) -> None:
+    """The evaluator's load_latest loads step-2 while the training publishes step-3 and its
+    retention removes step-2: load_latest raised IOFailure ("step 2 was removed while it was
+    being loaded ... call load_latest again") though a newer complete save was there. It now
+    chooses again and loads step-3 (an older save in its place is still refused: the test
+    above)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from ckpt_cli import Checkpointer
+
+    run, stash = tmp_path / "run", tmp_path / "stash"
+    model = torch.nn.Linear(8, 8)
+    for folder, steps in ((run, (1, 2)), (stash, (3,))):
+        with Checkpointer(folder) as ck:
+            for step in steps:
+                with torch.no_grad():
+                    model.weight.fill_(step)
+                ck.save(step, {"model": model})
+                assert (record := ck.wait()) is not None and record.phase == "done", record
+    read = getattr(FileSystemReader, moment)
+
+    def training_meanwhile(self: FileSystemReader, *args: Any, **kwargs: Any) -> Any:
+        _publish_meanwhile(run, stash)
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemReader, moment, training_meanwhile)
+    evaluated = torch.nn.Linear(8, 8)
+    loaded = Checkpointer(run).load_latest({"model": evaluated})
+    assert loaded is not None and loaded.step == 3, loaded
+    assert torch.equal(evaluated.weight, torch.full_like(evaluated.weight, 3.0))
+
+
+REMOVED_WHILE_LOADED_ON_TWO_RANKS_SCRIPT = """
+import json, shutil, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from ckpt_cli import Checkpointer, CkptError
+from tests.dist_helpers import RANK_TIMEOUT, leave_without_teardown
+
+run, out = Path(sys.argv[1]), sys.argv[2]
+stash = run.parent / "stash"
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+model = torch.nn.Linear(8, 8)
+for folder, steps in ((run, (1, 2)), (stash, (3,))):
+    with Checkpointer(folder) as ck:
+        for step in steps:
+            with torch.no_grad():
+                model.weight.fill_(step)
+            ck.save(step, {"model": model, "seen": 10 * rank + step})
+dist.barrier()
+read = FileSystemReader.read_metadata
+
+def training_meanwhile(self, *args, **kwargs):
+    if rank == 0 and (run / "step-2").exists():  # step-3 published, step-2 removed
+        (stash / "step-3").rename(run / "step-3")
+        gone = run / ".step-2.ckpt-tmp-del-test"
+        (run / "step-2").rename(gone)
+        shutil.rmtree(gone)
+    return read(self, *args, **kwargs)
+
+FileSystemReader.read_metadata = training_meanwhile
+into = {"model": torch.nn.Linear(8, 8), "seen": 0}
+try:
+    loaded = Checkpointer(run).load_latest(into)
+    result = {"step": loaded.step, "seen": into["seen"],
+              "weight": into["model"].weight.unique().tolist()}
+except CkptError as error:
+    result = {"raised": type(error).__name__, "text": str(error)}
+with open(f"{out}.rank{rank}.json", "w") as f:
+    json.dump(result, f)
+dist.barrier()
+leave_without_teardown()
+"""
+
+
+@pytest.mark.torchrun
+def test_a_save_removed_while_two_ranks_load_it_gives_way_to_the_newer_save(
+    tmp_path: Path,
+) -> None:
+    """The same under torchrun: every rank raised IOFailure ("step 2 was removed while it was
+    being loaded"); every rank now chooses again, alike, and loads step-3."""
+    import json
+
+    from .dist_helpers import run_torchrun
+
+    script = tmp_path / "removed_while_loaded.py"
+    script.write_text(REMOVED_WHILE_LOADED_ON_TWO_RANKS_SCRIPT)
+    run_torchrun(script, 2, tmp_path / "run", tmp_path / "out")
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
+        assert result.get("step") == 3, result
+        assert result["seen"] == 10 * rank + 3 and result["weight"] == [3.0], result
 
 
 def test_a_save_removed_while_an_evaluator_checks_it_gives_way_to_the_newer_save(

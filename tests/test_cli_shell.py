@@ -64,15 +64,14 @@ def test_sync_quiet_still_names_a_checkpoint_it_could_not_upload(
 # -- an option that would do nothing is refused -------------------------------------------------
 
 
-def test_sync_refuses_mode_without_prune_remote_and_jobs_when_pulling(tmp_path: Path) -> None:
-    """`sync out/ s3://… --mode max` (now `--higher-is-better`) and `sync s3://… out/ --jobs 2`
-    were accepted and did nothing (the remote side is pruned only with --prune-remote; a pull
-    takes no --jobs)."""
+def test_sync_refuses_mode_without_prune_remote(tmp_path: Path) -> None:
+    """`sync out/ s3://… --mode max` (now `--higher-is-better`) was accepted and did nothing
+    (the remote side is pruned only with --prune-remote). (`--jobs` when pulling was refused
+    too, while a pull fetched one file at a time; it now sets how many it fetches at once.)"""
     out = trainer_run(tmp_path, steps=(100,))
     for args, option in (
         ([out, "s3://bucket/run/", "--higher-is-better"], "--higher-is-better"),
         ([out, "s3://bucket/run/", "--mode", "max"], "--higher-is-better"),  # deprecated spelling
-        (["s3://bucket/run/", tmp_path / "pulled", "--jobs", "2"], "--jobs"),
     ):
         result = run_ckpt("sync", *args, "--json")
         assert result.exit_code == 2, (option, result.stdout)

@@ -325,6 +325,66 @@ def test_control_and_bidi_characters_in_names_are_escaped_in_human_output(
     assert "\x1b[2J" not in tty.stdout and "\u202e" not in tty.stdout
 
 
+def test_a_newline_in_a_file_or_tensor_name_never_splits_a_line_of_human_output(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint whose shard, extra file and tensor names hold a newline: `inspect --list`
+    printed the shard's name over two lines (its second read as a record of its own), and
+    `convert` said `carried: notes` with `FAKE LINE.txt` on a line by itself. Such names are
+    now printed quoted (`'notes\\nFAKE LINE.txt'`), one record a line; JSON keeps them."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "m"
+    model.mkdir()
+    save_file({"a": torch.zeros(3)}, model / "model.safetensors")
+    save_file({"b\nFAKE: tensor": torch.zeros(3)}, model / "extra\nFAKE LINE.safetensors")
+    (model / "notes\nFAKE LINE.txt").write_text("x")
+    listed = run_ckpt("inspect", model, "--list")
+    assert listed.exit_code == 0, listed.stderr
+    records = listed.stdout.splitlines()
+    assert not any(line.startswith("FAKE") for line in records), listed.stdout
+    assert "'extra\\nFAKE LINE.safetensors'" in listed.stdout
+    assert "'b\\nFAKE: tensor'" in listed.stdout
+    tree = run_ckpt("inspect", model)
+    assert not any(line.startswith("FAKE") for line in tree.stdout.splitlines()), tree.stdout
+    converted = run_ckpt("convert", model, tmp_path / "out", "--to", "safetensors")
+    assert converted.exit_code == 0, converted.stderr
+    assert "carried: 'notes\\nFAKE LINE.txt'" in converted.stdout, converted.stdout
+    assert not any(line.startswith("FAKE") for line in converted.stdout.splitlines())
+    assert (tmp_path / "out" / "notes\nFAKE LINE.txt").read_text() == "x"
+    names = [e["name"] for e in run_ckpt("inspect", model, "--json").json["result"]["entries"]]
+    assert "b\nFAKE: tensor" in names
+
+
+def test_a_message_naming_a_file_with_a_newline_stays_one_line(tmp_path: Path) -> None:
+    """verify prints one line per problem (fix included), and an error is one line: a shard
+    named `extra\\nok: fake.safetensors`, truncated, split both in two, the second line
+    reading as a record of its own (`ok: fake.safetensors: declares a 56-byte header...`).
+    The line break is now written as `\\n`."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "m"
+    model.mkdir()
+    save_file({"a": torch.zeros(3)}, model / "model.safetensors")
+    shard = model / "extra\nok: fake.safetensors"
+    save_file({"b": torch.zeros(3)}, shard)
+    os.truncate(shard, 50)
+    checked = run_ckpt("verify", model)
+    assert checked.exit_code == 1
+    assert not any(line.startswith("ok: fake") for line in checked.stdout.splitlines())
+    assert "extra\\nok: fake.safetensors: declares" in checked.stdout, checked.stdout
+    failed = run_ckpt("inspect", model)
+    assert failed.exit_code == 4
+    assert len(failed.stderr.strip().splitlines()) == 1, failed.stderr
+    assert "extra\\nok: fake.safetensors" in failed.stderr
+    assert (
+        "extra\nok: fake.safetensors"
+        in run_ckpt("inspect", model, "--json").json["error"]["message"]
+    )
+
+
 # -- one JSON envelope per outcome -------------------------------------------------------------
 @pytest.mark.parametrize("signals", [1, 2], ids=["one-signal", "a-second-signal"])
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 
 from ckpt_cli.formats import resolve_source
 from ckpt_cli.ops.convert.run import convert
-from ckpt_cli.sources.layouts import open_source
+from ckpt_cli.sources.opening import open_source
 
 from .dist_helpers import many_entries_dcp
 

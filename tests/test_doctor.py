@@ -503,7 +503,7 @@ def test_tensor_moments_from_raw_bytes_match_torch(tmp_path: Path) -> None:
 
     from ckpt_cli.formats import resolve_source
     from ckpt_cli.ops.doctor.tensors import BLOCK_ELEMENTS, moments_against, streams_raw
-    from ckpt_cli.sources.layouts import open_source
+    from ckpt_cli.sources.opening import open_source
 
     gen = torch.Generator().manual_seed(0)
     n = BLOCK_ELEMENTS * 2 + 123  # blocks, and a short last one

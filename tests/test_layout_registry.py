@@ -20,8 +20,8 @@ from ckpt_cli.sources.layouts import (
     TorchDict,
     TorchTitan,
     analyse_single,
-    open_source,
 )
+from ckpt_cli.sources.opening import open_source
 from ckpt_cli.sources.runs import scan_run
 
 from .conftest import run_ckpt

@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpt_cli.sources.layouts import open_source, training_checks
+from ckpt_cli.sources.layouts import training_checks
+from ckpt_cli.sources.opening import open_source
 
 from .conftest import REPO, run_ckpt
 
@@ -554,7 +555,7 @@ def test_torchtitan_step_folder_from_dcp_save(tmp_path: Path, model_keys: str) -
 
 
 def test_check_source_runs_every_component_check(trainer_run: Path, tmp_path: Path) -> None:
-    from ckpt_cli.sources.layouts import check_source
+    from ckpt_cli.sources.opening import check_source
 
     assert check_source(str(trainer_run)) == []
     folder = _copy(trainer_run, tmp_path / "checkpoint-4")
@@ -683,7 +684,7 @@ def test_trainer_fsdp_folder_with_dcp_model_and_optimizer(
     assert training_checks(opened) == []
     with opened.checkpoint as checkpoint:
         assert torch.equal(checkpoint.read_tensor("model.fc1.weight"), model_sd["fc1.weight"])
-    from ckpt_cli.sources.layouts import check_source
+    from ckpt_cli.sources.opening import check_source
 
     assert check_source(str(folder)) == []
 

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from .conftest import run_ckpt
+from .model_fixtures import tiny_unet
 
 
 def _load_peft(base: Path, adapter: Path) -> dict[str, torch.Tensor]:
@@ -240,12 +241,13 @@ def test_merge_onto_a_bin_sharded_base_keeps_its_shard_size(
 def test_merge_refuses_what_it_cannot_merge(
     lora_adapter: Path, tiny_llama: Path, tmp_path: Path
 ) -> None:
-    not_lora = shutil.copytree(lora_adapter, tmp_path / "ia3")
+    not_lora = shutil.copytree(lora_adapter, tmp_path / "oft")
     config = json.loads((not_lora / "adapter_config.json").read_text())
-    config["peft_type"] = "IA3"
+    config["peft_type"] = "OFT"
     (not_lora / "adapter_config.json").write_text(json.dumps(config))
     result = run_ckpt("merge", tiny_llama, not_lora, tmp_path / "out")
-    assert result.exit_code == 4 and "IA3" in result.stderr
+    assert result.exit_code == 4 and "OFT" in result.stderr
+    assert "merge_and_unload" in result.stderr
     assert not (tmp_path / "out").exists()
     result = run_ckpt("merge", tiny_llama, tmp_path, tmp_path / "out2")
     assert result.exit_code == 3 and "adapter_config.json" in result.stderr
@@ -1563,3 +1565,448 @@ def test_merge_into_a_pipeline_names_the_component_the_adapter_was_trained_on(
         original: Any = DiffusionPipeline.from_pretrained(fp16_variant_pipeline, variant="fp16")
     name = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight"
     assert not torch.equal(pipe.unet.state_dict()[name], original.unet.state_dict()[name])
+
+
+def _trained_variant(base: Path, adapter: Path, config: Any, dtype: torch.dtype) -> None:
+    """An IA³ / LoHa / LoKr adapter (`config`) on the model at `base` as training leaves it:
+    every adapter tensor moved away from its initial value (IA³ starts at ones, LoHa / LoKr
+    with one factor at zero)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if any(part in name for part in ("ia3_l", "hada_", "lokr_")):
+                    param.add_(torch.randn_like(param) * 0.1)
+        model.save_pretrained(adapter)
+
+
+def _variant_config(variant: str) -> Any:
+    """The adapter configs users train on a Llama, one per form of layer peft builds."""
+    from peft import IA3Config, LoHaConfig, LoKrConfig
+
+    configs: dict[str, Any] = {
+        # k/v scale outputs, down_proj (feedforward) its inputs
+        "ia3": lambda: IA3Config(
+            target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
+        ),
+        "loha": lambda: LoHaConfig(
+            r=4,
+            alpha=8,
+            target_modules=["q_proj", "v_proj", "up_proj"],
+            rank_pattern={"up_proj": 2},
+            alpha_pattern={"v_proj": 3},
+        ),
+        # whole w1 and w2 (`r` large for the factors of a 16-wide layer)
+        "lokr": lambda: LoKrConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]),
+        # w2 low rank where it is wide enough, factors of 4
+        "lokr-factor": lambda: LoKrConfig(
+            r=2,
+            alpha=8,
+            target_modules=["q_proj", "up_proj", "down_proj"],
+            decompose_both=True,
+            decompose_factor=4,
+        ),
+        # w1 and w2 both low rank (`decompose_both`, r=1)
+        "lokr-both": lambda: LoKrConfig(
+            r=1, alpha=3, target_modules=["q_proj", "v_proj"], decompose_both=True
+        ),
+    }
+    return configs[variant]()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["ia3", "loha", "lokr", "lokr-factor", "lokr-both"])
+def test_merge_of_ia3_loha_and_lokr_adapters_equals_peft(
+    tiny_llama: Path, tmp_path: Path, variant: str, dtype: torch.dtype
+) -> None:
+    """IA³, LoHa and LoKr adapters were refused by `peft_type` ("merge it with peft's
+    merge_and_unload"). They are merged now, weight by weight, as peft's layers merge them:
+    the output equals `merge_and_unload()` + `save_pretrained` bit for bit, fp32 and bf16."""
+    from transformers import AutoModelForCausalLM
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=dtype).save_pretrained(base)
+    _trained_variant(base, adapter, _variant_config(variant), dtype)
+    merged = _merge_like_peft(base, adapter, tmp_path, dtype)
+    assert len(merged) == (4 if variant == "lokr-both" else 6)
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    before = load_file(base / "model.safetensors")
+    assert all(not torch.equal(got[n], before[n]) for n in merged)
+    label = {"ia3": "IA³", "loha": "LoHa"}.get(variant, "LoKr")
+    human = run_ckpt("merge", base, adapter, tmp_path / "again").stdout
+    assert f"  {label}" in human and "None" not in human
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_merge_of_ia3_scales_conv1d_layers_and_biases_as_peft_does(
+    tmp_path: Path, family: str
+) -> None:
+    """IA³ on GPT-2's `Conv1D` layers (weight `[in, out]`: peft transposes the vector, whatever
+    `fan_in_fan_out` says) and on Qwen2's q/k/v projections, whose biases a non-feedforward
+    vector scales too: bit for bit what `merge_and_unload` gives."""
+    from peft import IA3Config
+
+    base = tmp_path / "base"
+    if family == "gpt2":
+        _gpt2(base)
+        # attn.c_proj's weight is square: its orientation is told by the model type
+        config = IA3Config(
+            target_modules=["c_attn", "c_proj", "mlp.c_proj", "c_fc"],
+            feedforward_modules=["mlp.c_proj"],
+        )
+        dtype = torch.float32
+    else:
+        dtype = torch.bfloat16
+        _qwen2(base, dtype)
+        config = IA3Config(
+            target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
+        )
+    adapter = tmp_path / "adapter"
+    _trained_variant(base, adapter, config, dtype)
+    merged = _merge_like_peft(base, adapter, tmp_path, dtype)
+    biases = [n for n in merged if n.endswith(".bias")]
+    # GPT-2: c_attn, attn.c_proj and c_fc's biases (mlp.c_proj is feedforward); Qwen2: k/v
+    # of two layers
+    assert len(biases) == (3 if family == "gpt2" else 4), merged
+
+
+def _tiny_unet(folder: Path) -> None:
+    tiny_unet().save_pretrained(folder)
+
+
+@pytest.mark.parametrize("variant", ["ia3", "loha-effective", "loha", "lokr-effective", "lokr"])
+def test_merge_of_ia3_loha_and_lokr_on_a_unet_convolutions_equals_peft(
+    tmp_path: Path, variant: str
+) -> None:
+    """The adapters diffusion fine-tunes train on a UNet's convolutions: IA³ (a channel vector),
+    LoHa and LoKr flat or in their CP form (`use_effective_conv2d`: `hada_t1` / `lokr_t2`
+    beside the factors; a 1x1 convolution stays flat), merged into the fp16 UNet folder bit for
+    bit as `merge_and_unload`, loaded by `UNet2DConditionModel.from_pretrained`."""
+    from diffusers import UNet2DConditionModel
+    from peft import IA3Config, LoHaConfig, LoKrConfig, PeftModel, get_peft_model
+
+    fp32, base = tmp_path / "unet-fp32", tmp_path / "unet"
+    _tiny_unet(fp32)
+    UNet2DConditionModel.from_pretrained(fp32, torch_dtype=torch.float16).save_pretrained(base)
+    convolutions = ["conv1", "conv2", "conv_in", "conv_shortcut", "to_k"]
+    effective = variant.endswith("-effective")
+    config = {
+        "ia3": lambda: IA3Config(target_modules=convolutions, feedforward_modules=["conv2"]),
+        "loha": lambda: LoHaConfig(
+            r=2, alpha=4, target_modules=convolutions, use_effective_conv2d=effective
+        ),
+        "lokr": lambda: LoKrConfig(
+            r=1,
+            alpha=3,
+            target_modules=convolutions,
+            use_effective_conv2d=effective,
+            decompose_both=True,
+        ),
+    }[variant.removesuffix("-effective")]()
+
+    def load() -> Any:
+        return UNet2DConditionModel.from_pretrained(base, torch_dtype=torch.float16)
+
+    adapter = tmp_path / "adapter"
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(load(), config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if any(part in name for part in ("ia3_l", "hada_", "lokr_")):
+                    param.add_(torch.randn_like(param) * 0.1)
+        model.save_pretrained(adapter)
+        want = PeftModel.from_pretrained(load(), adapter).merge_and_unload().state_dict()
+    held = load_file(adapter / "adapter_model.safetensors")
+    assert any(k.endswith((".hada_t1", ".lokr_t2")) for k in held) == effective
+    out = tmp_path / "merged"
+    result = run_ckpt("merge", base, adapter, out, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert any(".conv1." in n for n in result.json["result"]["merged"])
+    got = UNet2DConditionModel.from_pretrained(out, torch_dtype=torch.float16).state_dict()
+    assert got.keys() == want.keys()
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
+
+
+def _without(adapter: Path, copy: Path, suffix: str) -> Path:
+    """A copy of `adapter` whose file lacks the first tensor named `…suffix`."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(adapter, copy)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    dropped = next(k for k in sorted(tensors) if k.endswith(suffix))
+    save_file(
+        {k: v for k, v in tensors.items() if k != dropped},
+        str(copy / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    return copy
+
+
+def test_merge_refuses_the_ia3_loha_and_lokr_adapters_peft_would_not_load(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """What peft cannot build or load is refused by name, exit 4, nothing written: factors of
+    another rank than adapter_config.json's (scaled wrong), an alpha that is no number, an IA³
+    vector its config's `feedforward_modules` does not describe, a LoHa layer missing a
+    factor. `--dry-run` plans the good one and writes nothing."""
+    loha, ia3 = tmp_path / "loha", tmp_path / "ia3"
+    _trained_variant(tiny_llama, loha, _variant_config("loha"), torch.float32)
+    _trained_variant(tiny_llama, ia3, _variant_config("ia3"), torch.float32)
+
+    def edited(adapter: Path, name: str, change: dict[str, Any]) -> Path:
+        copy = shutil.copytree(adapter, tmp_path / name)
+        config = json.loads((copy / "adapter_config.json").read_text())
+        (copy / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        return copy
+
+    cases = [
+        (edited(loha, "rank", {"r": 3}), "have rank 4, adapter_config.json says r=3"),
+        (edited(loha, "alpha", {"alpha": "8"}), "alpha must be a finite number"),
+        (edited(ia3, "ff", {"feedforward_modules": []}), "does not scale the output features"),
+        (_without(loha, tmp_path / "half", ".hada_w2_b"), "not a set of LoHa tensors"),
+    ]
+    out = tmp_path / "out"
+    for adapter, said in cases:
+        result = run_ckpt("merge", tiny_llama, adapter, out, "--json")
+        assert result.exit_code == 4, result.stdout
+        assert said in result.json["error"]["message"], result.json["error"]
+        assert result.json["error"]["fix"]
+        assert not out.exists()
+    planned = run_ckpt("merge", tiny_llama, loha, out, "--dry-run", "--json")
+    assert planned.exit_code == 0, planned.stdout
+    report = planned.json["result"]
+    assert report["dry_run"] and report["adapter_type"] == "LoHa" and len(report["merged"]) == 6
+    assert report["r"] == 4 and report["lora_alpha"] == 8
+    assert not out.exists()
+
+
+def test_an_ia3_loha_or_lokr_adapter_is_labelled_with_its_own_settings(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`inspect` of a LoHa / LoKr adapter gave its rank but not its alpha (their config says
+    `alpha`, not `lora_alpha`), and of an IA³ adapter not which layers are feedforward (whose
+    inputs it scales): both are said now, with LoKr's decomposition in `--json`."""
+    from peft import LoKrConfig
+
+    ia3, loha, lokr = tmp_path / "ia3", tmp_path / "loha", tmp_path / "lokr"
+    _trained_variant(tiny_llama, ia3, _variant_config("ia3"), torch.float32)
+    _trained_variant(tiny_llama, loha, _variant_config("loha"), torch.float32)
+    config = LoKrConfig(
+        r=2, alpha=6, target_modules=["q_proj"], decompose_both=True, decompose_factor=4
+    )
+    _trained_variant(tiny_llama, lokr, config, torch.float32)
+
+    human = run_ckpt("inspect", ia3).stdout
+    assert "IA³ adapter for" in human and "feedforward down_proj" in human, human
+    details = run_ckpt("inspect", ia3, "--json").json["result"]["layout"]["details"]
+    assert details["peft_type"] == "IA3" and details["feedforward_modules"] == ["down_proj"]
+
+    human = run_ckpt("inspect", loha).stdout
+    assert "LoHa adapter for" in human and "r=4" in human and "alpha=8" in human, human
+    details = run_ckpt("inspect", loha, "--json").json["result"]["layout"]["details"]
+    assert details["alpha"] == 8 and details["rank_pattern"] == {"up_proj": 2}
+
+    human = run_ckpt("inspect", lokr).stdout
+    assert "LoKr adapter for" in human and "r=2" in human and "alpha=6" in human, human
+    details = run_ckpt("inspect", lokr, "--json").json["result"]["layout"]["details"]
+    assert details["decompose_both"] is True and details["decompose_factor"] == 4
+
+
+@pytest.mark.parametrize("variant", ["ia3", "lokr", "dora"])
+def test_a_framework_naming_of_an_ia3_lokr_or_dora_adapter_points_to_ckpt_merge(
+    tiny_llama: Path, tmp_path: Path, variant: str
+) -> None:
+    """`convert ADAPTER --to hf` of an IA³, LoHa, LoKr or DoRA adapter sent the user to peft's
+    `merge_and_unload()`, though `ckpt merge` merges them; it names `ckpt merge` now, and the
+    merged model converts."""
+    adapter = tmp_path / "adapter"
+    if variant == "dora":
+        _dora_adapter(tiny_llama, adapter, ["q_proj"], torch.float32)
+    else:
+        _trained_variant(tiny_llama, adapter, _variant_config(variant), torch.float32)
+    result = run_ckpt("convert", adapter, tmp_path / "out", "--to", "hf", "--json")
+    assert result.exit_code == 4, result.stdout
+    assert f"`ckpt merge BASE {adapter} MERGED`" in result.json["error"]["fix"]
+    merged = tmp_path / "merged"
+    assert run_ckpt("merge", tiny_llama, adapter, merged).exit_code == 0
+    assert run_ckpt("convert", merged, tmp_path / "hf", "--to", "hf").exit_code == 0
+
+
+@pytest.mark.parametrize("variant", ["ia3-on-head", "loha-head-saved", "lokr-on-head"])
+def test_merge_of_ia3_loha_and_lokr_with_an_output_head_equals_peft(
+    tiny_llama: Path, tmp_path: Path, variant: str
+) -> None:
+    """The output head of a base that ties it to its embedding, as these adapters touch it:
+    IA³ on `lm_head` (peft saves the head whole beside the vector and scales the one shared
+    tensor; it was refused, exit 3, "no weight in the base"), a `modules_to_save` copy of it
+    beside LoHa layers (peft unties the pair) and LoKr on an untied head. Each equals
+    `merge_and_unload()` + `save_pretrained` as `from_pretrained` loads both."""
+    from peft import IA3Config, LoHaConfig, LoKrConfig
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+        if variant != "lokr-on-head":
+            model.config.tie_word_embeddings = True
+            model.tie_weights()
+        model.save_pretrained(base)
+    config = {
+        "ia3-on-head": lambda: IA3Config(
+            target_modules=["k_proj", "lm_head"], feedforward_modules=[]
+        ),
+        "loha-head-saved": lambda: LoHaConfig(
+            r=2, alpha=4, target_modules=["q_proj"], modules_to_save=["lm_head"]
+        ),
+        "lokr-on-head": lambda: LoKrConfig(r=2, alpha=4, target_modules=["q_proj", "lm_head"]),
+    }[variant]()
+    adapter = tmp_path / "adapter"
+    _trained_variant(base, adapter, config, torch.float32)
+    if variant == "loha-head-saved":
+        # the trained copy of the head, as training leaves it
+        from safetensors.torch import save_file
+
+        tensors = load_file(adapter / "adapter_model.safetensors")
+        tensors["base_model.model.lm_head.weight"] += 0.5
+        save_file(tensors, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "merged"
+    result = run_ckpt("merge", base, adapter, out, "--json")
+    assert result.exit_code == 0, result.stdout
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = (
+            PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
+            .merge_and_unload()
+            .state_dict()
+        )
+        got = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert got.keys() == want.keys()
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    assert result.json["result"]["replaced"] or variant == "lokr-on-head"
+
+
+@pytest.mark.parametrize("variant", ["ia3", "lokr"])
+def test_merge_refuses_an_ia3_or_lokr_adapter_trained_on_a_shallower_base(
+    tiny_llama: Path, tmp_path: Path, variant: str
+) -> None:
+    """As for LoRA: the 2-layer tiny Llama's IA³ / LoKr adapter merged into a 3-layer Llama of
+    the same width fits every weight it holds, and `merge` wrote a model whose third layer
+    was never adapted, exit 0. Layers its own `target_modules` selects but it holds nothing
+    for mean another base: refused, exit 4, nothing written."""
+    from transformers import LlamaForCausalLM
+
+    from .framework_fixtures import tiny_config
+
+    adapter = tmp_path / "adapter"
+    _trained_variant(tiny_llama, adapter, _variant_config(variant), torch.float32)
+    config = tiny_config()
+    config.num_hidden_layers = 3
+    torch.manual_seed(0)
+    deeper = tmp_path / "deeper"
+    LlamaForCausalLM(config).save_pretrained(deeper)
+    result = run_ckpt("merge", deeper, adapter, tmp_path / "out", "--json")
+    assert result.exit_code == 4, result.stdout
+    error = result.json["error"]
+    assert "model.layers.2." in error["message"] and "trained on" in error["fix"]
+    label = "IA³" if variant == "ia3" else "LoKr"
+    assert f"holds no {label} weights for it" in error["message"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_merge_refuses_an_ia3_adapter_on_a_quantized_weight_in_its_own_words(
+    tiny_llama: Path, tmp_path: Path, scheme: str
+) -> None:
+    """An IA³ vector multiplied into quantized codes is wrong data as a LoRA delta added to
+    them is: refused by the weight and its scheme, exit 4; the message spoke of "a LoRA
+    update" to the user of an IA³ adapter."""
+    from peft import IA3Config
+
+    adapter = tmp_path / "adapter"
+    config = IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"])
+    _trained_variant(tiny_llama, adapter, config, torch.float32)
+    base = tmp_path / "base"
+    said = _quantize_q_proj(tiny_llama, base, scheme)
+    out = tmp_path / "merged"
+    result = run_ckpt("merge", base, adapter, out, "--json")
+    assert result.exit_code == 4, result.stdout
+    message = result.json["error"]["message"]
+    assert "'model.layers.0.self_attn.q_proj.weight'" in message and said in message
+    assert "IA³" in message and "LoRA" not in message, message
+    assert "Dequantize" in result.json["error"]["fix"]
+    assert not out.exists()
+
+
+class _Convolutions(torch.nn.Module):
+    """A model of 1-D convolutions (as audio encoders have) and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Conv1d(8, 16, 3)
+        self.second = torch.nn.Conv1d(16, 16, 5)
+        self.head = torch.nn.Linear(16, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.second(self.first(x)).mean(-1))
+
+
+@pytest.mark.parametrize("variant", ["loha", "lokr"])
+def test_merge_of_loha_and_lokr_on_1d_convolutions(tmp_path: Path, variant: str) -> None:
+    """LoHa in its CP form on `Conv1d` layers merges bit for bit as peft's does. LoKr in that
+    form (`use_effective_conv2d`) on a `Conv1d` is one peft cannot merge itself (torch.kron
+    fails in its `get_delta_weight`); `ckpt merge` said "check that the adapter was trained on
+    this base model". It names the layer and the peft setting now, exit 4, nothing written."""
+    from peft import LoHaConfig, LoKrConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    base = tmp_path / "base"
+    base.mkdir()
+    state = _Convolutions().state_dict()
+    save_file(state, str(base / "model.safetensors"), metadata={"format": "pt"})
+    model = _Convolutions()
+    model.load_state_dict(state)
+    targets = ["first", "second", "head"]
+    config = (
+        LoHaConfig(r=2, alpha=4, target_modules=targets, use_effective_conv2d=True)
+        if variant == "loha"
+        else LoKrConfig(
+            r=1, alpha=4, target_modules=targets, use_effective_conv2d=True, decompose_both=True
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for _, param in peft_model.named_parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.1)
+    adapter, out = tmp_path / "adapter", tmp_path / "merged"
+    peft_model.save_pretrained(adapter)
+    result = run_ckpt("merge", base, adapter, out, "--json")
+    if variant == "lokr":
+        with pytest.raises(RuntimeError):
+            peft_model.merge_and_unload()
+        assert result.exit_code == 4, result.stdout
+        error = result.json["error"]
+        assert "'first'" in error["message"] and "use_effective_conv2d" in error["message"]
+        assert "use_effective_conv2d=False" in error["fix"]
+        assert not out.exists()
+        return
+    assert result.exit_code == 0, result.stdout
+    want = peft_model.merge_and_unload().state_dict()
+    got = load_file(out / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []

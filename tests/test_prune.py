@@ -446,6 +446,29 @@ def test_incomplete_removes_nothing_when_no_save_is_complete(tmp_path: Path) -> 
     assert run_ckpt("latest", out).exit_code == 3
 
 
+@pytest.mark.parametrize("layout", ["trainer", "dcp"])
+def test_pruning_one_checkpoint_instead_of_its_run_says_so(tmp_path: Path, layout: str) -> None:
+    """`ckpt prune out/checkpoint-500 --keep-last 1 --yes` (a checkpoint, not its run folder)
+    printed "nothing to delete" and exit 0: a cron job never learnt it pruned nothing. It is
+    now a usage error (exit 2) saying the folder is one checkpoint, naming the run folder to
+    prune instead; nothing is touched."""
+    if layout == "trainer":
+        out = trainer_run(tmp_path, steps=(100, 200))
+        one = out / "checkpoint-200"
+    else:
+        out = tmp_path / "run"
+        dcp_save(out / "step-1", 1)
+        one = out / "step-1"
+    before = tree(out)
+    for args in (["--keep-last", "1", "--yes"], ["--incomplete", "--json"]):
+        result = run_ckpt("prune", one, *args)
+        assert result.exit_code == 2, result.stdout + result.stderr
+        said = result.json["error"]["message"] if "--json" in args else result.stderr
+        assert "is one checkpoint, not a run folder" in said, said
+        assert f"ckpt prune {out}" in said, said
+    assert tree(out) == before
+
+
 def test_symlinked_checkpoint_is_unlinked_and_its_target_untouched(tmp_path: Path) -> None:
     elsewhere = tmp_path / "archive" / "checkpoint-50"
     trainer_checkpoint(elsewhere, 50)

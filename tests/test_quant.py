@@ -955,7 +955,50 @@ def test_compressed_tensors_fp8_matches_its_own_decompressor(
         assert torch.equal(got[f"{module}.weight"], ref), module
 
 
-def test_a_scheme_ckpt_does_not_dequantize_raises_no_false_problems(tmp_path: Path) -> None:
+@pytest.mark.parametrize("written", [[0, 0], [128], "128x128"])
+def test_a_block_structure_that_is_no_block_size_is_said_not_read_as_no_blocks(
+    tmp_path: Path, written: object
+) -> None:
+    """A compressed-tensors block FP8 model whose config says `block_structure: [0, 0]` (a
+    converter that lost the size): ckpt read it as "no block size given", took the block from
+    the scales' grid, and said nothing, while loaders follow the config. `verify` now warns,
+    naming the setting and its value; the weights are still read by the grid."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    qscheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    gen = torch.Generator().manual_seed(7)
+    state: dict[str, torch.Tensor] = {}
+    for module in NV_LINEARS:
+        w = torch.randn(256, 384, generator=gen).to(torch.bfloat16)
+        blocks = w.float().reshape(2, 128, 3, 128)
+        scale, _ = calculate_qparams(blocks.amin((1, 3)), blocks.amax((1, 3)), qscheme.weights)
+        packed = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, qscheme)
+        state.update({f"{module}.{k}": v for k, v in packed.items()})
+    config = QuantizationConfig(
+        config_groups={"group_0": qscheme},
+        format="float-quantized",
+        quantization_status="compressed",
+    ).model_dump(mode="json")
+    assert config["config_groups"]["group_0"]["weights"]["block_structure"] == [128, 128]
+    config["config_groups"]["group_0"]["weights"]["block_structure"] = written
+    src = tmp_path / "ct-fp8"
+    hf_shards(src, [state], {"torch_dtype": "bfloat16", "quantization_config": config})
+
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    assert [g["scheme"] for g in shown["schemes"]] == ["fp8-block"]
+    checked = run_ckpt("verify", src, "--json")
+    warned = [p for p in checked.json["result"]["problems"] if "block_structure" in p["message"]]
+    assert len(warned) == 1, checked.json["result"]["problems"]
+    assert warned[0]["severity"] == "warning" and warned[0]["file"].endswith("config.json")
+    assert "group_0" in warned[0]["message"] and repr(written) in warned[0]["message"]
+    assert checked.exit_code == 0
+    human = run_ckpt("verify", src)
+    assert "block_structure" in human.stdout + human.stderr
+
+
+def test_compressed_tensors_int4_raises_no_false_problems(tmp_path: Path) -> None:
     """compressed-tensors int4 `pack-quantized` (its own compressor): declared, not misread."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
@@ -977,9 +1020,12 @@ def test_a_scheme_ckpt_does_not_dequantize_raises_no_false_problems(tmp_path: Pa
     result = run_ckpt("verify", src, "--json").json["result"]
     assert result["ok"] and result["problems"] == [] and "quantization" in result["checks"]
     shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
-    assert shown["schemes"] == [] and shown["packed"] == ["model.layers.*.mlp.down_proj"]
-    # 64 x 256 int4 values in int32 words, kept as stored
-    assert "16.4K parameters, compressed-tensors pack-quantized packed" in shown["label"]
+    assert shown["packed"] == [] and shown["schemes"][0]["patterns"] == [
+        "model.layers.*.mlp.down_proj"
+    ]
+    # 64 x 256 int4 values in int32 words
+    label = "16.4K parameters, INT4 compressed-tensors pack-quantized (groups of 128)"
+    assert label in shown["label"]
 
 
 def test_fp8_llama_dequantized_equals_transformers_and_loads_with_from_pretrained(
@@ -1529,10 +1575,11 @@ def test_compressed_tensors_int_weights_and_scales_are_never_cast(
     src = tmp_path / preset
     state = write_compressed_tensors_int(src, preset)
     shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
-    assert shown["packed"] == ["model.layers.*.mlp.down_proj"], shown
+    (scheme,) = shown["schemes"]
+    assert scheme["patterns"] == ["model.layers.*.mlp.down_proj"], shown
     assert "model.layers.*.mlp.down_proj" not in shown["unquantized"]
     fmt = "pack-quantized" if preset == "W4A16" else "int-quantized"
-    assert f"compressed-tensors {fmt} packed" in shown["label"]
+    assert f"INT{4 if preset == 'W4A16' else 8} compressed-tensors {fmt}" in shown["label"]
     assert run_ckpt("verify", src).exit_code == 0
 
     out = tmp_path / "fp16"
@@ -1552,8 +1599,370 @@ def test_compressed_tensors_int_weights_and_scales_are_never_cast(
             assert shard == index[f"{module}.{payload}"], name
         else:
             assert got.dtype == torch.float16, name
-    refused = run_ckpt("convert", src, tmp_path / "dq", "--to", "safetensors", "--dequantize")
-    assert refused.exit_code == 4 and fmt in refused.stderr
+    dequantized = run_ckpt("convert", src, tmp_path / "dq", "--to", "safetensors", "--dequantize")
+    assert dequantized.exit_code == 0, dequantized.stdout + dequantized.stderr
+
+
+#: compressed-tensors integer variants: (format, num_bits, strategy, group size, symmetric)
+CT_INT_VARIANTS = {
+    "int4-group128": ("pack-quantized", 4, "group", 128, True),
+    "int4-group32-asym": ("pack-quantized", 4, "group", 32, False),
+    "int4-channel-asym": ("pack-quantized", 4, "channel", None, False),
+    "int4-tensor": ("pack-quantized", 4, "tensor", None, True),
+    "int8-channel": ("pack-quantized", 8, "channel", None, True),
+    "int8-group32-asym": ("pack-quantized", 8, "group", 32, False),
+    "int-quantized-channel": ("int-quantized", 8, "channel", None, True),
+    "int-quantized-group128-asym": ("int-quantized", 8, "group", 128, False),
+    "int-quantized-tensor": ("int-quantized", 8, "tensor", None, True),
+}
+
+
+def ct_int_scheme(variant: str) -> Any:
+    """The compressed-tensors `QuantizationScheme` of a `CT_INT_VARIANTS` entry."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    _, bits, strategy, group, symmetric = CT_INT_VARIANTS[variant]
+    args = QuantizationArgs(
+        num_bits=bits, type="int", strategy=strategy, group_size=group, symmetric=symmetric
+    )
+    return QuantizationScheme(targets=["Linear"], weights=args)
+
+
+def ct_int_quantize(w: torch.Tensor, variant: str) -> dict[str, torch.Tensor]:
+    """`w` quantized and compressed by compressed-tensors' own compressor of the variant's
+    format (scales from its `calculate_qparams`, in the weight's dtype)."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    fmt, _, strategy, group, _ = CT_INT_VARIANTS[variant]
+    qscheme = ct_int_scheme(variant)
+    rows = w.shape[0]
+    x = w.float()
+    if strategy == "group":
+        lo, hi = x.reshape(rows, -1, group).amin(-1), x.reshape(rows, -1, group).amax(-1)
+    elif strategy == "channel":
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    else:
+        lo, hi = x.amin().reshape(1), x.amax().reshape(1)
+    scale, zero = calculate_qparams(lo, hi, qscheme.weights)
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    return compressor.compress(
+        {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero}, qscheme
+    )
+
+
+def write_ct_int_variant(folder: Path, variant: str) -> dict[str, torch.Tensor]:
+    """Two bfloat16 linears (`[48, 256]`, `[64, 256]`) compressed as `variant`, a norm, and
+    the config compressed-tensors writes."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    gen = torch.Generator().manual_seed(11)
+    state: dict[str, torch.Tensor] = {}
+    for layer, rows in enumerate((48, 64)):
+        w = (torch.randn(rows, 256, generator=gen) * 0.05).to(torch.bfloat16)
+        packed = ct_int_quantize(w, variant)
+        state.update({f"model.layers.{layer}.mlp.down_proj.{k}": v for k, v in packed.items()})
+    state["model.norm.weight"] = torch.rand(64, generator=gen).to(torch.bfloat16)
+    config = QuantizationConfig(
+        config_groups={"g": ct_int_scheme(variant)},
+        format=CT_INT_VARIANTS[variant][0],
+        quantization_status="compressed",
+    ).model_dump(mode="json")
+    hf_shards(folder, [state], {"torch_dtype": "bfloat16", "quantization_config": config})
+    return state
+
+
+def ct_int_reference(state: dict[str, torch.Tensor], module: str, variant: str) -> torch.Tensor:
+    """What compressed-tensors' own compressor decompresses `module` of `state` to."""
+    from compressed_tensors.compressors.base import BaseCompressor
+
+    mine = {k.removeprefix(module + "."): v for k, v in state.items() if k.startswith(module)}
+    compressor = BaseCompressor.get_value_from_registry(CT_INT_VARIANTS[variant][0])
+    return compressor.decompress(mine, ct_int_scheme(variant))["weight"]
+
+
+@pytest.mark.parametrize("variant", list(CT_INT_VARIANTS))
+def test_compressed_tensors_int_weights_dequantize_like_its_own_decompressor(
+    tmp_path: Path, variant: str
+) -> None:
+    """compressed-tensors' integer formats (`pack-quantized` int4/int8 W4A16/W8A16 and
+    `int-quantized` W8A8; per channel, per group of 32 or 128, per tensor; symmetric and
+    asymmetric) were kept as stored by `convert --dequantize`, which refused them (exit 4).
+    Each weight is now dequantized bit for bit as compressed-tensors' own decompressor
+    dequantizes it, in bf16 and fp32; `inspect` names the scheme and bits, `verify --deep`
+    stays clean, and `diff --dequantize` finds no difference."""
+    fmt, bits, strategy, group, _ = CT_INT_VARIANTS[variant]
+    src = tmp_path / variant
+    state = write_ct_int_variant(src, variant)
+    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
+    (scheme,) = shown["schemes"]
+    assert scheme["modules"] == 2 and shown["packed"] == [], shown
+    assert f"INT{bits} compressed-tensors {fmt}" in scheme["label"], scheme
+    if strategy == "group":
+        assert f"(groups of {group})" in scheme["label"], scheme
+    assert shown["parameters"] == (48 + 64) * 256 + 64
+    verified = run_ckpt("verify", src, "--deep")
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        out = tmp_path / dtype
+        conv = run_ckpt(
+            "convert", src, out, "--to", "safetensors", "--dequantize", "--dtype", dtype
+        )
+        assert conv.exit_code == 0, conv.stdout + conv.stderr
+        got = load_file(out / "model.safetensors")
+        assert sorted(got) == [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)] + [
+            "model.norm.weight"
+        ]
+        for layer in range(2):
+            module = f"model.layers.{layer}.mlp.down_proj"
+            ref = ct_int_reference(state, module, variant).to(torch_dtype)
+            assert got[f"{module}.weight"].dtype == torch_dtype
+            assert torch.equal(got[f"{module}.weight"], ref), (dtype, module)
+        assert "quantization_config" not in json.loads((out / "config.json").read_text())
+        assert run_ckpt("verify", out).exit_code == 0
+    compared = run_ckpt("diff", src, tmp_path / "bf16", "--dequantize", "--atol", "0")
+    assert compared.exit_code == 0, compared.stdout + compared.stderr
+
+
+def test_compressed_tensors_int4_activation_order_g_idx_dequantizes_by_its_groups(
+    tmp_path: Path,
+) -> None:
+    """A GPTQ `actorder: group` int4 model as llm-compressor wrote it: `weight_g_idx` gives
+    each input column its group. compressed-tensors sorts the columns by it, dequantizes them
+    in groups and puts them back; ckpt's output equals compressed-tensors' own decompression
+    of the same codes in that sorted order, put back. A `g_idx` whose groups are not all the
+    group size (compressed-tensors would give columns another group's scale) is refused by
+    name before anything is written."""
+    from compressed_tensors.compressors.pack_quantized.helpers import (
+        pack_to_int32,
+        unpack_from_int32,
+    )
+    from compressed_tensors.quantization import QuantizationConfig
+
+    variant = "int4-group32-asym"
+    gen = torch.Generator().manual_seed(12)
+    w = (torch.randn(64, 256, generator=gen) * 0.05).to(torch.bfloat16)
+    order = torch.randperm(256, generator=gen)
+    sorted_state = ct_int_quantize(w[:, order], variant)  # groups of 32 in activation order
+    codes = torch.empty(64, 256, dtype=torch.int8)
+    codes[:, order] = unpack_from_int32(sorted_state["weight_packed"], 4, torch.Size([64, 256]))
+    g_idx = torch.empty(256, dtype=torch.int32)
+    g_idx[order] = (torch.arange(256) // 32).to(torch.int32)
+    module = "model.layers.0.mlp.down_proj"
+    state = {
+        f"{module}.weight_packed": pack_to_int32(codes, 4),
+        f"{module}.weight_scale": sorted_state["weight_scale"],
+        f"{module}.weight_zero_point": sorted_state["weight_zero_point"],
+        f"{module}.weight_shape": sorted_state["weight_shape"],
+        f"{module}.weight_g_idx": g_idx,
+    }
+    config = QuantizationConfig(
+        config_groups={"g": ct_int_scheme(variant)},
+        format="pack-quantized",
+        quantization_status="compressed",
+    ).model_dump(mode="json")
+    config["config_groups"]["g"]["weights"]["actorder"] = "group"
+    src = tmp_path / "actorder"
+    hf_shards(src, [state], {"torch_dtype": "bfloat16", "quantization_config": config})
+    verified = run_ckpt("verify", src, "--deep")
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+
+    out = tmp_path / "bf16"
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize")
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    in_order = ct_int_reference(
+        {f"{module}.{k}": v for k, v in sorted_state.items()}, module, variant
+    )
+    want = torch.empty_like(in_order)
+    want[:, order] = in_order
+    got = load_file(out / "model.safetensors")[f"{module}.weight"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    # the dequantized values track the weight (the codes were put back in the right columns)
+    assert (got.float() - w.float()).abs().max() < 0.05
+
+    state[f"{module}.weight_g_idx"] = torch.zeros(256, dtype=torch.int32)  # one group of 256
+    hf_shards(src, [state], {"torch_dtype": "bfloat16", "quantization_config": config})
+    refused = run_ckpt("convert", src, tmp_path / "no", "--to", "safetensors", "--dequantize")
+    assert refused.exit_code == 4, refused.stdout + refused.stderr
+    assert f"{module}.weight_packed" in refused.stderr and "g_idx" in refused.stderr
+    assert "CompressedTensorsConfig" in refused.stderr
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("damage", ["three-bit", "wrong-bits", "wrong-shape"])
+def test_compressed_tensors_int_weights_ckpt_cannot_match_are_refused_by_name(
+    tmp_path: Path, damage: str
+) -> None:
+    """What ckpt cannot dequantize bit for bit is refused by name, with the fix, before
+    anything is written: 3-bit packing (compressed-tensors changed how it packs values that
+    straddle words), a config whose `num_bits` is not the packing's, a `weight_shape` that
+    does not fit the packed words."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    src = tmp_path / damage
+    state = write_ct_int_variant(src, "int4-group128")
+    config = json.loads((src / "config.json").read_text())
+    weights = config["quantization_config"]["config_groups"]["g"]["weights"]
+    module = "model.layers.1.mlp.down_proj"
+    if damage == "three-bit":
+        args = QuantizationArgs(num_bits=3, type="int", strategy="group", group_size=128)
+        scheme = QuantizationScheme(targets=["Linear"], weights=args)
+        from compressed_tensors.compressors.pack_quantized.base import (
+            PackedQuantizationCompressor,
+        )
+        from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+        w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        groups = w.float().reshape(64, 2, 128)
+        scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        packed = PackedQuantizationCompressor.compress(
+            {"weight": w, "weight_scale": scale.to(torch.bfloat16)}, scheme
+        )
+        state.update({f"{module}.{k}": v for k, v in packed.items()})
+        weights["num_bits"] = 3
+        said = "3-bit"
+    elif damage == "wrong-bits":
+        weights["num_bits"] = 8
+        said = "num_bits"
+    else:
+        state[f"{module}.weight_shape"] = torch.tensor([64, 512])
+        said = "[64, 512]"
+    hf_shards(src, [state], config)
+    refused = run_ckpt("convert", src, tmp_path / "no", "--to", "safetensors", "--dequantize")
+    assert refused.exit_code == 4, refused.stdout + refused.stderr
+    assert "model.layers." in refused.stderr and said in refused.stderr, refused.stderr
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("variant", ["int4-group32-asym", "int8-channel", "int-quantized-channel"])
+def test_compressed_tensors_int_llama_dequantized_equals_what_transformers_loads(
+    tmp_path: Path, variant: str
+) -> None:
+    """A tiny Llama quantized and saved the way llm-compressor does it
+    (`apply_quantization_config`, `ModelCompressor.compress_model`, `save_pretrained`,
+    `update_config`) in compressed-tensors' integer formats: ckpt's dequantized output loads
+    as a plain model whose every tensor equals what transformers' own compressed-tensors
+    loader decompresses (`run_compressed=False`)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    scheme = ct_int_scheme(variant)
+    fmt, _, strategy, group, _ = CT_INT_VARIANTS[variant]
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"g": scheme}, ignore=["lm_head"], format=fmt)
+    )
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and hasattr(module, "weight_scale"):
+            x = module.weight.float()
+            if strategy == "group":
+                x = x.reshape(x.shape[0], -1, group)
+            lo, hi = (
+                x.amin(-1, keepdim=strategy != "group"),
+                x.amax(-1, keepdim=strategy != "group"),
+            )
+            scale, zero = calculate_qparams(lo, hi, scheme.weights)
+            module.weight_scale.data = scale.to(module.weight_scale.dtype)
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    assert compressor is not None
+    compressor.compress_model(model)
+    src = tmp_path / variant
+    model.save_pretrained(src)
+    compressor.update_config(src)
+    assert qscheme_format(src) == fmt
+
+    _verified_then_dequantized_like_transformers(src, tmp_path / "bf16")
+
+
+def test_compressed_tensors_int4_stacked_experts_dequantize_like_its_own_decompressor(
+    tmp_path: Path,
+) -> None:
+    """Stacked experts `[E, out, in]` packed by compressed-tensors' own compressor (int4,
+    asymmetric, groups of 32: `weight_packed` `[E, out, in/8]`, zero points packed per
+    expert along `out`) dequantize to `[E, out, in]`, bit for bit its own decompression."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    scheme = ct_int_scheme("int4-group32-asym")
+    gen = torch.Generator().manual_seed(13)
+    w = (torch.randn(3, 16, 64, generator=gen) * 0.05).to(torch.bfloat16)
+    groups = w.float().reshape(3, 16, 2, 32)
+    scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+    stored = PackedQuantizationCompressor.compress(
+        {"weight": w, "weight_scale": scale.to(torch.bfloat16), "weight_zero_point": zero},
+        scheme,
+    )
+    assert list(stored["weight_zero_point"].shape) == [3, 2, 2]  # packed along out, per expert
+    src = tmp_path / "experts"
+    config = QuantizationConfig(
+        config_groups={"g": scheme}, format="pack-quantized", quantization_status="compressed"
+    ).model_dump(mode="json")
+    hf_shards(
+        src,
+        [{f"mlp.experts.{k}": v.contiguous() for k, v in stored.items()}],
+        {"torch_dtype": "bfloat16", "quantization_config": config},
+    )
+    verified = run_ckpt("verify", src, "--deep")
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+    out = tmp_path / "fp32"
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize", "--dtype", "fp32")
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    got = load_file(out / "model.safetensors")["mlp.experts.weight"]
+    want = PackedQuantizationCompressor.decompress(dict(stored), scheme)["weight"]
+    assert list(got.shape) == [3, 16, 64] and torch.equal(got, want.float())
+
+
+@pytest.mark.parametrize(
+    "damage", ["empty-scale", "zero-point-shape", "g-idx-2d", "g-idx-float", "float-words"]
+)
+def test_a_hostile_compressed_tensors_int_weight_is_refused_by_name_not_a_crash(
+    tmp_path: Path, damage: str
+) -> None:
+    """Crafted sidecars of a compressed-tensors int8 / int4 weight (a scale of no groups, zero
+    points of the wrong shape, a `g_idx` that is no column list, packed words stored as
+    floats: those were silently read as other values) made `verify` or `convert
+    --dequantize` fail as "a bug in ckpt" (exit 70: a division by zero, a reshape or
+    bincount error); the weight is refused by name (exit 4) and nothing is written."""
+    src = tmp_path / damage
+    variant = "int-quantized-group128-asym" if damage == "empty-scale" else "int4-group32-asym"
+    state = write_ct_int_variant(src, variant)
+    module = "model.layers.1.mlp.down_proj"
+    if damage == "empty-scale":
+        state[f"{module}.weight_scale"] = torch.empty(64, 0, dtype=torch.bfloat16)
+    elif damage == "zero-point-shape":
+        state[f"{module}.weight_zero_point"] = state[f"{module}.weight_zero_point"][:, :3]
+    elif damage == "g-idx-2d":
+        state[f"{module}.weight_g_idx"] = torch.zeros(16, 16, dtype=torch.int32)
+    elif damage == "g-idx-float":
+        state[f"{module}.weight_g_idx"] = (torch.arange(256) // 32).float()
+    else:  # the words stored as float32: read as int32 they would be other values
+        state[f"{module}.weight_packed"] = state[f"{module}.weight_packed"].float()
+    hf_shards(
+        src,
+        [{k: v.contiguous() for k, v in state.items()}],
+        json.loads((src / "config.json").read_text()),
+    )
+    verified = run_ckpt("verify", src)
+    assert verified.exit_code in (0, 1), verified.stdout + verified.stderr
+    refused = run_ckpt("convert", src, tmp_path / "no", "--to", "safetensors", "--dequantize")
+    assert refused.exit_code == 4, refused.stdout + refused.stderr
+    assert module in refused.stderr
+    assert not (tmp_path / "no").exists()
 
 
 @pytest.mark.parametrize("scheme", ["bnb4", "bnb8", "W4A16", "W8A8"])
@@ -1735,14 +2144,18 @@ def write_compressed_tensors_mx(folder: Path, preset: str) -> tuple[dict[str, to
     return state, qscheme
 
 
-@pytest.mark.parametrize(("preset", "scheme"), [("MXFP4A16", "mxfp4-ct"), ("MXFP8A16", "mxfp8-ct")])
+@pytest.mark.parametrize(
+    ("preset", "scheme"),
+    [("MXFP4A16", "mxfp4-ct"), ("MXFP6A16", "mxfp6-ct"), ("MXFP8A16", "mxfp8-ct")],
+)
 def test_compressed_tensors_mx_formats_match_their_own_decompressor(
     tmp_path: Path, preset: str, scheme: str
 ) -> None:
     """compressed-tensors MXFP4 / MXFP8 models: `verify` failed a healthy one (MXFP4 as an
     int4 packing without `weight_shape`; MXFP8's E8M0 scales as a wrong FP8 grid and dtype),
-    `inspect` misnamed them and `--dequantize` refused them. Now they are MX weights:
-    dequantized bit for bit as compressed-tensors' own compressor decompresses them."""
+    `inspect` misnamed them and `--dequantize` refused them (MXFP6 too: it was kept as
+    stored). Now they are MX weights: dequantized bit for bit as compressed-tensors' own
+    compressor decompresses them."""
     from compressed_tensors.compressors.base import BaseCompressor
 
     src = tmp_path / preset
@@ -1816,28 +2229,6 @@ def qscheme_format(folder: Path) -> str:
     return str(config["quantization_config"]["format"])
 
 
-def test_compressed_tensors_mxfp6_is_recognised_and_not_misjudged(tmp_path: Path) -> None:
-    """compressed-tensors MXFP6: `verify` failed a healthy model (no `weight_shape`, as if it
-    were an int4 packing) and `inspect` called it `pack-quantized`; ckpt does not dequantize
-    MXFP6, so it is kept as stored, named by its format."""
-    src = tmp_path / "mxfp6"
-    state, _ = write_compressed_tensors_mx(src, "MXFP6A16")
-    shown = run_ckpt("inspect", src, "--json").json["result"]["quantization"]
-    assert shown["packed"] == ["model.layers.*.mlp.down_proj"], shown
-    assert "compressed-tensors mxfp6-pack-quantized packed" in shown["label"]
-    assert shown["parameters"] == 2 * 64 * 256 + 64
-    verified = run_ckpt("verify", src, "--deep")
-    assert verified.exit_code == 0, verified.stdout + verified.stderr
-    refused = run_ckpt("convert", src, tmp_path / "dq", "--to", "safetensors", "--dequantize")
-    assert refused.exit_code == 4 and "mxfp6-pack-quantized" in refused.stderr
-    # without its scale, the codes cannot be read
-    del state["model.layers.1.mlp.down_proj.weight_scale"]
-    config = json.loads((src / "config.json").read_text())
-    hf_shards(src, [state], config)
-    damaged = run_ckpt("verify", src, "--json").json["result"]
-    assert ("missing_scale", "model.layers.1.mlp.down_proj.weight_packed") in _problems(damaged)
-
-
 @pytest.mark.parametrize("structure", [["x", "y"], [0, 0], [[16], [16]], [True, 16]])
 def test_a_hostile_block_structure_is_no_block_size(tmp_path: Path, structure: list) -> None:
     """A compressed-tensors config whose `block_structure` is not two positive integers made
@@ -1909,7 +2300,7 @@ def test_a_config_dtype_that_is_no_string_is_left_as_it_is(
     assert run_ckpt("verify", out).exit_code == 0
 
 
-@pytest.mark.parametrize("preset", ["MXFP4A16", "MXFP8A16"])
+@pytest.mark.parametrize("preset", ["MXFP4A16", "MXFP6A16", "MXFP8A16"])
 def test_compressed_tensors_mx_llama_dequantized_equals_what_transformers_loads(
     tmp_path: Path, preset: str
 ) -> None:
@@ -1925,8 +2316,7 @@ def test_compressed_tensors_mx_llama_dequantized_equals_what_transformers_loads(
         preset_name_to_scheme,
     )
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-    from transformers.utils.quantization_config import CompressedTensorsConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -1954,20 +2344,7 @@ def test_compressed_tensors_mx_llama_dequantized_equals_what_transformers_loads(
     model.save_pretrained(src)
     compressor.update_config(src)
 
-    verified = run_ckpt("verify", src, "--deep")
-    assert verified.exit_code == 0, verified.stdout + verified.stderr
-    out = tmp_path / "bf16"
-    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize")
-    assert conv.exit_code == 0, conv.stdout + conv.stderr
-    reference = AutoModelForCausalLM.from_pretrained(
-        src,
-        dtype=torch.bfloat16,
-        quantization_config=CompressedTensorsConfig(run_compressed=False),
-    ).state_dict()
-    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
-    assert sorted(ours) == sorted(reference)
-    for name, tensor in ours.items():
-        assert torch.equal(tensor.view(torch.int16), reference[name].view(torch.int16)), name
+    _verified_then_dequantized_like_transformers(src, tmp_path / "bf16")
 
 
 def test_inspect_names_every_quantized_module_or_says_how_many_more(tmp_path: Path) -> None:
@@ -2029,3 +2406,23 @@ def test_compressed_tensors_mxfp4_stacked_experts_dequantize_per_expert(tmp_path
         state = {"weight_packed": packed[expert], "weight_scale": scale[expert]}
         ref = MXFP4PackedCompressor.decompress(state, scheme)["weight"]
         assert torch.equal(got[expert], ref.float()), expert
+
+
+def _verified_then_dequantized_like_transformers(src: Path, out: Path) -> None:
+    """A compressed-tensors model `src` passes `verify --deep`, and `convert --dequantize`
+    into `out` loads bit for bit as transformers' own decompressing load of `src` (bf16)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    verified = run_ckpt("verify", src, "--deep")
+    assert verified.exit_code == 0, verified.stdout + verified.stderr
+    conv = run_ckpt("convert", src, out, "--to", "safetensors", "--dequantize")
+    assert conv.exit_code == 0, conv.stdout + conv.stderr
+    reference = AutoModelForCausalLM.from_pretrained(
+        src,
+        dtype=torch.bfloat16,
+        quantization_config=CompressedTensorsConfig(run_compressed=False),
+    ).state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
+    assert sorted(ours) == sorted(reference)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor.view(torch.int16), reference[name].view(torch.int16)), name

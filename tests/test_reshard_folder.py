@@ -280,6 +280,40 @@ def test_a_trainer_fsdp_checkpoint_that_lost_every_rng_state_fails_verify_and_is
     ]
 
 
+def test_a_trainer_fsdp_checkpoint_that_lost_its_model_folder_is_no_latest(
+    fsdp_checkpoint: Path, tmp_path: Path
+) -> None:
+    """`checkpoint-4/pytorch_model_fsdp_0/` deleted (a partial copy, a cleanup script):
+    `verify` failed it ("no model weights") but `ckpt latest` named it, and `prune
+    --keep-last 1` would have kept it and deleted the whole checkpoint-2: the run judge looked
+    for no weights in a Trainer save. The save also lost its optimizer folder: named as the
+    FSDP optimizer state it is, not as the Trainer's optimizer.pt."""
+    run = shutil.copytree(fsdp_checkpoint.parent, tmp_path / "run")
+    damaged = run / "checkpoint-4"
+    shutil.rmtree(damaged / "pytorch_model_fsdp_0")
+    checked = run_ckpt("verify", damaged, "--json")
+    assert checked.exit_code == 1, checked.stdout
+    problems = checked.json["result"]["problems"]
+    assert [p["code"] for p in problems] == ["missing_weights"], problems
+    assert "pytorch_model_fsdp_0/" in problems[0]["message"]
+    latest = run_ckpt("latest", run, "--json")
+    assert latest.json["result"]["latest"] == str(run / "checkpoint-2"), latest.stdout
+    rows = {c["name"]: c for c in latest.json["result"]["checkpoints"]}
+    assert rows["checkpoint-4"]["status"] == "incomplete"
+    assert "weights" in rows["checkpoint-4"]["reason"]
+
+    lost = shutil.copytree(fsdp_checkpoint, tmp_path / "checkpoint-2")
+    shutil.rmtree(lost / "optimizer_0")
+    checked = run_ckpt("verify", lost, "--json")
+    assert checked.exit_code == 1, checked.stdout
+    problems = checked.json["result"]["problems"]
+    assert [(p["code"], p["file"]) for p in problems] == [
+        ("missing_component", str(lost / "optimizer_0"))
+    ], problems
+    assert "optimizer_0/" in problems[0]["message"]
+    assert "optimizer.pt" not in problems[0]["message"]
+
+
 def test_a_trainer_fsdp_checkpoint_that_lost_a_rank_rng_converts_the_rest_when_told_to(
     fsdp_checkpoint: Path, tmp_path: Path
 ) -> None:

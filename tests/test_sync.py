@@ -1431,6 +1431,71 @@ def test_a_body_carries_botocores_own_crc32_only_where_botocore_would_add_one(
     assert not ObjectUploader(required, 1).crc32_by_default()
 
 
+@pytest.mark.parametrize("store", ["checks none", "checks checksums"])
+def test_a_file_sent_in_one_put_is_hashed_once_for_its_manifest(
+    s3_server: S3Server, tmp_path: Path, store: str
+) -> None:
+    """Over plain HTTP botocore signs each body's SHA-256 (`X-Amz-Content-SHA256`); for a
+    file sent in one PUT that is the digest a sha256 manifest records, so an upload to a
+    store that checks no checksum takes it instead of hashing the file's bytes again (its
+    MD5, which the reply's ETag must match, is still computed). A client that signs no
+    payload gets the file hashed here, as before. A store that checks checksums gets the
+    SHA-256 in `x-amz-checksum-sha256`, hashed here before the request. The digest is right
+    in every case."""
+    import s3fs
+
+    from ckpt_cli.storage.object_upload import ObjectUploader
+
+    s3_server.checks_checksums = store == "checks checksums"
+    make_bucket(s3_server.endpoint, BUCKET)
+    data = os.urandom(3 << 20)
+    path = tmp_path / "model-00001-of-00002.safetensors"
+    path.write_bytes(data)
+    hashed: list[int] = []
+
+    class Counted:
+        """SHA-256 that counts the bytes it is given."""
+
+        def __init__(self) -> None:
+            self._inner = hashlib.sha256()
+
+        def update(self, block: bytes) -> None:
+            hashed.append(len(block))
+            self._inner.update(block)
+
+        def hexdigest(self) -> str:
+            return self._inner.hexdigest()
+
+    checks = store == "checks checksums"
+    for case, config, here in (
+        ("signed", {}, len(data) if checks else 0),
+        ("unsigned", {"s3": {"payload_signing_enabled": False}}, len(data)),
+    ):
+        hashed.clear()
+        s3_server.requests.clear()
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=config)
+        uploader = ObjectUploader(fs, 2, probe=f"{BUCKET}/{case}/.probe")
+        try:
+            assert uploader.checks_checksums() == s3_server.checks_checksums
+            up = uploader.upload(
+                path, f"{BUCKET}/{case}/{path.name}", len(data), Counted, sha256=True
+            )
+        finally:
+            uploader.close()
+        assert up.digest == hashlib.sha256(data).hexdigest(), case
+        assert sum(hashed) == here, case
+        if s3_server.checks_checksums:
+            assert up.checked and up.expected_etag is None
+            put = [r for r in s3_server.requests if r.path.endswith(path.name)]
+            assert [r.method for r in put] == ["PUT"]
+            assert put[0].checksums == {
+                "x-amz-checksum-sha256": _b64(hashlib.sha256(data).digest())
+            }
+        else:
+            assert up.expected_etag == up.etag == hashlib.md5(data).hexdigest(), case
+        assert fetch_object(s3_server.endpoint, BUCKET, f"{case}/{path.name}") == data
+
+
 def _pushed_then_cut_after_one_file(
     s3_server: S3Server,
     tmp_path: Path,
@@ -1466,7 +1531,9 @@ def test_an_interrupted_pull_says_its_staging_is_kept_to_resume(
     _, fresh, real_fetch = _pushed_then_cut_after_one_file(
         s3_server, tmp_path, monkeypatch, lambda _file: KeyboardInterrupt()
     )
-    cut = run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--latest", "--json")
+    # one fetch at a time: the first file is whole before the second is cut (side by side,
+    # the cut stops the first at its next block, to resume from its `.part`)
+    cut = run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--latest", "--jobs", "1", "--json")
     assert cut.exit_code == 130, cut.stdout
     staging = fresh / ".checkpoint-100.ckpt-tmp-pull"
     assert staging.is_dir()
@@ -1476,6 +1543,122 @@ def test_an_interrupted_pull_says_its_staging_is_kept_to_resume(
     monkeypatch.setattr(pull, "_fetch", real_fetch)
     again = run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--latest", "--json")
     assert again.exit_code == 0 and again.json["result"]["checkpoints"][0]["files_reused"] == 1
+
+
+def test_a_pull_fetches_a_checkpoints_files_side_by_side(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--jobs` pulling: the files of the checkpoint are fetched at once, as a push sends
+    them, the largest first; the pulled copy is the pushed one, checked against its
+    manifest."""
+    import threading
+
+    from ckpt_cli.ops.sync import pull
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run").exit_code == 0
+    real_fetch = pull._fetch
+    lock = threading.Lock()
+    # the first fetch waits until a second one is under way: one at a time, it waits alone
+    # (until the timeout) and `most` stays 1
+    second = threading.Event()
+    active = [0]
+    most = [0]
+    started: list[str] = []
+
+    def fetch(*args: object, **kwargs: object) -> object:
+        with lock:
+            started.append(str(args[1]))
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+            if active[0] >= 2:
+                second.set()
+        second.wait(timeout=30)
+        try:
+            return real_fetch(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(pull, "_fetch", fetch)
+    fresh = tmp_path / "fresh"
+    report = sync(f"s3://{BUCKET}/run/", str(fresh), latest_only=True, jobs=3)
+    done = report.checkpoints[0]
+    assert done.action == "downloaded" and done.verified, done
+    assert most[0] >= 2, most
+    sizes = {p.name: p.stat().st_size for p in (out / "checkpoint-100").iterdir()}
+    assert done.files_sent == len(sizes) and done.bytes_sent == sum(sizes.values())
+    assert report.bytes_sent == sum(sizes.values())
+    original = local_files(out / "checkpoint-100")
+    pulled = local_files(fresh / "checkpoint-100")
+    assert {k: v for k, v in pulled.items() if k in original} == original
+    checked = run_ckpt("verify", fresh / "checkpoint-100", "--checksums")
+    assert checked.exit_code == 0, checked.stdout
+    # one at a time, the largest first: the longest fetch is never left to go alone last
+    started.clear()
+    one = sync(f"s3://{BUCKET}/run/", str(tmp_path / "one"), latest_only=True, jobs=1)
+    assert one.transferred == ["checkpoint-100"], one.failed
+    fetched = [rel.rsplit("/", 1)[-1] for rel in started]
+    assert fetched == sorted(sizes, key=lambda name: (-sizes[name], name)), fetched
+
+
+def test_a_failed_file_stops_the_pulls_other_fetches_at_their_next_block(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fetched side by side, a file that fails (a lost connection) stops the fetch of a large
+    file under way at its next block, not once it is whole; what it wrote is kept in its
+    `.part`, and the next pull resumes it and publishes the pushed bytes."""
+    import threading
+
+    from ckpt_cli.errors import HubError
+    from ckpt_cli.ops.sync import pull
+    from ckpt_cli.storage.remote import FsspecStorage
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    assert run_ckpt("sync", out, f"s3://{BUCKET}/run").exit_code == 0
+    big = max((out / "checkpoint-100").iterdir(), key=lambda p: p.stat().st_size)
+    size = big.stat().st_size
+    block = size // 4
+    monkeypatch.setattr(pull, "UPLOAD_BLOCK", block)
+    fetching, begun, noticed = threading.Event(), threading.Event(), threading.Event()
+    real_read, real_fetch, real_wait = FsspecStorage.read, pull._fetch, pull.wait
+
+    def read(self: FsspecStorage, rel: str, offset: int, length: int) -> bytes:
+        # the big file's fetch only: the run's scan reads its header before any fetch
+        if fetching.is_set() and rel.endswith(big.name):
+            if offset >= block:
+                noticed.wait(timeout=30)  # the rest only once the failure is known
+            begun.set()
+        return real_read(self, rel, offset, length)
+
+    def fetch(*args: object, **kwargs: object) -> object:
+        if not str(args[1]).endswith(big.name):
+            begun.wait(timeout=30)
+            raise HubError("connection reset", path=str(args[1]))
+        fetching.set()
+        return real_fetch(*args, **kwargs)  # type: ignore[arg-type]
+
+    def wait(*args: object, **kwargs: object) -> object:
+        try:
+            return real_wait(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            noticed.set()
+
+    monkeypatch.setattr(FsspecStorage, "read", read)
+    monkeypatch.setattr(pull, "_fetch", fetch)
+    monkeypatch.setattr(pull, "wait", wait)
+    fresh = tmp_path / "fresh"
+    first = sync(f"s3://{BUCKET}/run/", str(fresh), latest_only=True)
+    assert first.failed and "connection reset" in first.failed[0]
+    part = fresh / ".checkpoint-100.ckpt-tmp-pull" / f"{big.name}.part"
+    assert 0 < part.stat().st_size < size
+    monkeypatch.setattr(FsspecStorage, "read", real_read)
+    monkeypatch.setattr(pull, "_fetch", real_fetch)
+    again = sync(f"s3://{BUCKET}/run/", str(fresh), latest_only=True)
+    assert again.transferred == ["checkpoint-100"] and again.checkpoints[0].verified
+    assert (fresh / "checkpoint-100" / big.name).read_bytes() == big.read_bytes()
 
 
 def test_a_cut_pull_resumes_keeping_the_files_already_whole(
@@ -1489,7 +1672,8 @@ def test_a_cut_pull_resumes_keeping_the_files_already_whole(
     out, fresh, real_fetch = _pushed_then_cut_after_one_file(
         s3_server, tmp_path, monkeypatch, lambda file: HubError("connection reset", path=file)
     )
-    first = sync(f"s3://{BUCKET}/run/", str(fresh), latest_only=True)
+    # one fetch at a time, so the first file is whole when the second is cut
+    first = sync(f"s3://{BUCKET}/run/", str(fresh), latest_only=True, jobs=1)
     assert first.failed and not (fresh / "checkpoint-100").exists()
     assert run_ckpt("latest", fresh).exit_code != 0  # nothing complete there yet
     staging = fresh / ".checkpoint-100.ckpt-tmp-pull"
@@ -2349,6 +2533,8 @@ def test_a_pull_cut_inside_a_file_resumes_that_file_where_it_stopped(
     monkeypatch.setattr(FsspecStorage, "read", real_read)
     if kept == "torn":
         part.write_bytes(bytes(2 * block))
+    total = sum(p.stat().st_size for p in (out / "checkpoint-100").iterdir())
+    kept_bytes = sum(p.stat().st_size for p in part.parent.iterdir())
     s3_server.requests.clear()
 
     again = run_ckpt("sync", f"s3://{BUCKET}/run/", fresh, "--latest", "--json")
@@ -2356,6 +2542,12 @@ def test_a_pull_cut_inside_a_file_resumes_that_file_where_it_stopped(
     assert again.exit_code == 0, again.stderr
     done = again.json["result"]["checkpoints"][0]
     assert done["action"] == "downloaded" and done["verified"] is True
+    # the bytes that came over the wire this time: all but what the cut pull kept (its
+    # whole files and the start of the cut file), and the cut file whole once more when
+    # what was kept of it was wrong; not the cut file's whole size
+    fetched = total - kept_bytes + (size if kept == "torn" else 0)
+    assert done["bytes_sent"] == fetched, (done["bytes_sent"], fetched)
+    assert again.json["result"]["bytes_sent"] == fetched
     key = f"/{BUCKET}/run/checkpoint-100/{big.name}"
     asked = [r.range for r in s3_server.requests if r.path == key and r.method == "GET"]
     # the rest of the file, from where the cut pull stopped; its first half again only when

@@ -405,6 +405,25 @@ def test_manifest_errors(tmp_path: Path) -> None:
     assert run_ckpt("verify", folder, "--checksums").exit_code == 4
 
 
+def test_a_garbled_manifest_is_written_again_by_the_fix_its_error_names(tmp_path: Path) -> None:
+    """A `ckpt-manifest.json` garbled on disk: `verify --checksums` said to write it again with
+    `ckpt verify SRC --write-manifest --force`, and that very command was refused ("exists and
+    is not a ckpt checksum manifest; --force replaces only a manifest"). The checkpoint's own
+    manifest file is replaced; any other file named with --manifest is still refused."""
+    folder = sharded(tmp_path / "m")
+    (folder / "ckpt-manifest.json").write_text("{garbled")
+    broken = run_ckpt("verify", folder, "--checksums")
+    assert broken.exit_code == 4 and "--write-manifest --force" in broken.stderr
+    rewritten = run_ckpt("verify", folder, "--write-manifest", "--force")
+    assert rewritten.exit_code == 0, rewritten.stderr
+    assert run_ckpt("verify", folder, "--checksums").exit_code == 0
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    refused = run_ckpt("verify", folder, "--write-manifest", "--manifest", notes, "--force")
+    assert refused.exit_code == 2 and "not a ckpt checksum manifest" in refused.stderr
+    assert notes.read_text() == "my notes"
+
+
 def test_no_manifest_is_written_for_a_broken_checkpoint(tmp_path: Path) -> None:
     folder = sharded(tmp_path / "m")
     sorted(folder.glob("*.safetensors"))[0].unlink()

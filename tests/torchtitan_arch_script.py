@@ -8,7 +8,9 @@ Run in its own process (torchtitan's imports are heavy and register hooks):
         with `CheckpointManager.save` (model, optimizer, scheduler, data loader, train state)
         and writes into OUT: `config.json` (the same model as a transformers config),
         `logits.pt` (torchtitan's forward on `IDS`) and `to_hf.safetensors` (torchtitan's own
-        `StateDictAdapter.to_hf` of the model's state dict: the bytes an export must equal)
+        `StateDictAdapter.to_hf` of the model's state dict: the bytes an export must equal);
+        for `deepseek-v3` also `flavor_config.json`, the config.json `--flavor` builds from
+        the torchtitan model's config (`DeepseekV3.args_from_torchtitan`)
     python tests/torchtitan_arch_script.py save-balanced FAMILY RUN OUT
         as `save`, but with torchtitan's own MoE load-balancing hook registered on the
         optimizer (as its Trainer does) and three steps taken, so each MoE layer's
@@ -19,8 +21,11 @@ Run in its own process (torchtitan's imports are heavy and register hooks):
         writes `OUT/loaded_logits.pt`, then takes one training step and writes
         `OUT/trained.pt` (the loss and whether every parameter moved)
 
-FAMILY is `llama3` (dim 32, 4 heads over 2 KV heads, llama3 rope scaling), `qwen3` (q/k norms)
-or `qwen3-moe` (4 experts, top 2), or `NAME:FLAVOR`, a flavor of torchtitan's own registry
+FAMILY is `llama3` (dim 32, 4 heads over 2 KV heads, llama3 rope scaling), `qwen3` (q/k norms),
+`qwen3-moe` (4 experts, top 2), `deepseek-v3` (MLA with a low-rank query, yarn rotary, one dense
+layer then MoE layers of 8 sigmoid-routed experts in 2 groups plus a shared expert; saved after
+three steps with torchtitan's load-balancing hook, so its `expert_bias_E` is trained and routes
+tokens), or `NAME:FLAVOR`, a flavor of torchtitan's own registry
 (`llama3:debugmodel`; no `config.json` is written for it). Attention is SDPA (the stock backends are flex / varlen).
 """
 
@@ -39,6 +44,10 @@ from torchtitan_writer import Tokens, TrainState
 
 VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM, LAYERS, FFN, SEQ = 64, 32, 4, 2, 8, 2, 64, 64
 EXPERTS, TOP_K, MOE_FFN = 4, 2, 16
+#: DeepSeek-V3's MLA widths and MoE (8 experts in 2 groups, top 2 of the best group)
+KV_LORA, Q_LORA, NOPE, ROPE_DIM, V_DIM, DS_LAYERS, DS_EXPERTS = 16, 8, 8, 4, 8, 3, 8
+#: DeepSeek-V3's yarn rotary: (factor, original context, mscale)
+YARN = (4.0, 16, 0.7)
 #: the fixed input ids every forward is judged on
 IDS = torch.arange(12).reshape(2, 6) * 5 % VOCAB
 
@@ -62,6 +71,8 @@ def model_config(family: str) -> Any:
         config = importlib.import_module(f"torchtitan.models.{name}").model_registry(flavor).model
         _sdpa(config.layers)
         return config
+    if family == "deepseek-v3":
+        return _deepseek_config()
     if family == "llama3":
         import torchtitan.models.llama3 as llama3
 
@@ -123,9 +134,112 @@ def model_config(family: str) -> Any:
     )
 
 
+def _deepseek_config() -> Any:
+    import torchtitan.models.deepseek_v3 as ds
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.rope import ComplexRoPE
+
+    factor, original, mscale = YARN
+    layers = ds._build_dsv3_layers(
+        n_layers=DS_LAYERS,
+        n_dense_layers=1,
+        dim=DIM,
+        n_heads=HEADS,
+        q_lora_rank=Q_LORA,
+        kv_lora_rank=KV_LORA,
+        qk_nope_head_dim=NOPE,
+        qk_rope_head_dim=ROPE_DIM,
+        v_head_dim=V_DIM,
+        mscale=mscale,
+        dense_hidden_dim=FFN,
+        moe_hidden_dim=MOE_FFN,
+        num_experts=DS_EXPERTS,
+        num_shared_experts=1,
+        router_top_k=TOP_K,
+        router_score_func="sigmoid",
+        router_num_expert_groups=2,
+        router_num_limited_groups=1,
+        router_route_scale=2.5,
+        router_route_norm=True,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(
+            dim=ROPE_DIM,
+            max_seq_len=SEQ,
+            theta=10000.0,
+            scaling="yarn",
+            rope_factor=factor,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            original_seq_len=original,
+        ),
+    )
+    return ds.DeepSeekV3Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=DIM, param_init=ds._EMBEDDING_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=ds._NORM_INIT),
+        lm_head=Linear.Config(
+            in_features=DIM, out_features=VOCAB, param_init=ds._output_linear_init(DIM)
+        ),
+        layers=_sdpa(layers),
+        mtp_layers=[],
+    )
+
+
+def _deepseek_hf_config() -> dict[str, Any]:
+    import transformers
+
+    factor, original, mscale = YARN
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        intermediate_size=FFN,
+        moe_intermediate_size=MOE_FFN,
+        num_hidden_layers=DS_LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        n_shared_experts=1,
+        n_routed_experts=DS_EXPERTS,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=KV_LORA,
+        q_lora_rank=Q_LORA,
+        qk_rope_head_dim=ROPE_DIM,
+        qk_nope_head_dim=NOPE,
+        v_head_dim=V_DIM,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=TOP_K,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        max_position_embeddings=SEQ,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": factor,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": mscale,
+            "mscale_all_dim": mscale,
+            "original_max_position_embeddings": original,
+        },
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    out: dict[str, Any] = json.loads(config.to_json_string())
+    return out
+
+
 def hf_config(family: str) -> dict[str, Any]:
     """The same model as transformers builds it."""
     import transformers
+
+    if family == "deepseek-v3":
+        return _deepseek_hf_config()
 
     common: dict[str, Any] = {
         "hidden_size": DIM,
@@ -178,6 +292,10 @@ def hf_config(family: str) -> dict[str, Any]:
 
 
 def adapter(family: str, config: Any) -> Any:
+    if family == "deepseek-v3":
+        from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+        return DeepSeekV3StateDictAdapter(config, None)
     if family == "llama3":
         from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
@@ -229,6 +347,10 @@ def save(family: str, run: Path, out: Path, *, balanced: bool = False) -> None:
     from safetensors.torch import save_file
 
     model, optimizers, manager = build(family, run, seed=0)
+    # DeepSeek-V3 maps its load-balancing bias (transformers' e_score_correction_bias): a
+    # trained one is what its export must keep
+    reference = not balanced
+    balanced = balanced or family.split(":")[0] == "deepseek-v3"
     if balanced:
         from types import SimpleNamespace
 
@@ -244,9 +366,18 @@ def save(family: str, run: Path, out: Path, *, balanced: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if ":" not in family:
         (out / "config.json").write_text(json.dumps(hf_config(family), indent=2))
+    if family == "deepseek-v3":
+        # what `--flavor` builds from a torchtitan model config (only 671B of torchtitan's
+        # own flavors routes by sigmoid as transformers' DeepseekV3 does: too big to build)
+        from ckpt_cli.architectures.deepseek import DeepseekV3
+
+        args = DeepseekV3.args_from_torchtitan(model_config(family))
+        assert args is not None
+        built = args.config
+        (out / "flavor_config.json").write_text(json.dumps(built, indent=2))
     with torch.no_grad():
         torch.save(model(IDS), out / "logits.pt")
-    if balanced:
+    if not reference:
         return
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     hf = adapter(family.split(":")[0], model_config(family)).to_hf(state)

@@ -36,6 +36,7 @@ __all__ = [
 
 #: token -> "module:Class", most specific first (recognition tries them in this order)
 REGISTRY: dict[str, str] = {
+    "deepseek-v3": "ckpt_cli.architectures.deepseek:DeepseekV3",
     "qwen3-moe": "ckpt_cli.architectures.llama:Qwen3Moe",
     "qwen3": "ckpt_cli.architectures.llama:Qwen3",
     "qwen2": "ckpt_cli.architectures.llama:Qwen2",

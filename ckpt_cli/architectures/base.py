@@ -494,10 +494,12 @@ class Experts(TensorRule):
 
 @dataclass(frozen=True)
 class Filled:
-    """A state a native naming holds that Hugging Face files have no counterpart of, written
-    at its fresh-start value (zeros) on an import: torchtitan's MoE load-balancing bias
-    `expert_bias_E`, one `[E]` float32 per MoE layer, whose layers and E come from the output
-    named by `like` (its dim 0)."""
+    """A state one naming holds that the other has no counterpart of, written at its
+    fresh-start value (zeros) into an output in the naming that holds it and lacks it:
+    torchtitan's MoE load-balancing bias `expert_bias_E` on an import of a Qwen3-MoE, one
+    `[E]` float32 per MoE layer, whose layers and E come from the output named by `like`
+    (its dim 0); DeepSeek-V3's router `e_score_correction_bias` on an export of a torchtitan
+    save built without load balancing."""
 
     pattern: str
     like: str
@@ -618,6 +620,9 @@ class Architecture(ABC):
     layer_variants: ClassVar[Sequence[Sequence[str]]] = ()
     torchtitan_models: ClassVar[str | None] = None
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
+    #: naming -> patterns of tensors a `--dtype` cast leaves as stored: routing state the
+    #: model keeps in float32 whatever its weights' dtype (DeepSeek-V3's router bias)
+    float32: ClassVar[Mapping[str, Sequence[str]]] = {}
     #: a family with no native naming (gpt-oss): its HF tensor patterns, copied as they are
     hf_names: ClassVar[tuple[str, ...]] = ()
 
@@ -628,6 +633,13 @@ class Architecture(ABC):
         needing it asks for --config); a model it reads and the naming cannot hold is refused
         (FormatError)."""
         return ModelArgs()
+
+    @classmethod
+    def args_from_torchtitan(cls, model: Any) -> ModelArgs | None:
+        """The args of torchtitan's `Model.Config` `model` (`--flavor`) when this family reads
+        them its own way; None (the default) for a Llama-style decoder's layers, attention,
+        rope and norm, which `flavors.args_of` reads."""
+        return None
 
     @classmethod
     def naming_output(cls, naming: str, args: ModelArgs) -> NamingOutput:
@@ -837,8 +849,7 @@ class Architecture(ABC):
                 outputs += rule.plan(matches, direction, args, cls.title)
         # source order: an output goes where its first piece was
         outputs.sort(key=lambda t: min(order[s] for s in t.sources))
-        if direction == "from_hf":
-            outputs += cls._fill(outputs, native)
+        outputs += cls._fill(outputs, target)
         tied: list[tuple[str, str]] = []
         if args.tie_embeddings and HF in cls.tied and native in cls.tied:
             outputs = cls._tie(outputs, direction, native, left_out, tied)
@@ -925,15 +936,18 @@ class Architecture(ABC):
         return [*outputs, copy]
 
     @classmethod
-    def _fill(cls, outputs: list[MappedTensor], native: str) -> list[MappedTensor]:
-        """The `Filled` states of naming `native` the outputs call for, as zeros."""
+    def _fill(cls, outputs: list[MappedTensor], target: str) -> list[MappedTensor]:
+        """The `Filled` states of naming `target` the outputs call for and lack, as zeros."""
         out: list[MappedTensor] = []
-        for fill in cls.filled.get(native, ()):
+        held = {t.name for t in outputs}
+        for fill in cls.filled.get(target, ()):
             like = compile_pattern(fill.like)
             for tensor in outputs:
                 m = like.match(tensor.name)
                 if m and tensor.shape:
                     groups = {k: int(v) for k, v in m.groupdict().items()}
+                    if fill.pattern.format(**groups) in held:
+                        continue
                     out.append(
                         MappedTensor(
                             name=fill.pattern.format(**groups),

@@ -37,13 +37,18 @@ def flavor_args(arch: type[Architecture], flavor: str) -> ModelArgs:
         )
     module = importlib.import_module(module_name)
     family = module_name.rsplit(".", 1)[-1]
-    configs: dict[str, Any] = getattr(module, f"{family}_configs", {})
+    # (`deepseek_v3`'s registry is `deepseekv3_configs`)
+    configs: dict[str, Any] = getattr(module, f"{family}_configs", None) or getattr(
+        module, f"{family.replace('_', '')}_configs", {}
+    )
     if flavor not in configs:
         raise UsageError(
             f"--flavor: torchtitan's {family} has no flavor {flavor!r}",
             fix=f"Its flavors: {', '.join(configs)}.",
         )
-    return args_of(module.model_registry(flavor).model, arch.title)
+    model = module.model_registry(flavor).model
+    own = arch.args_from_torchtitan(model)
+    return own if own is not None else args_of(model, arch.title)
 
 
 def args_of(config: Any, title: str) -> ModelArgs:

@@ -42,7 +42,7 @@ from .hooks import pause_point
 from .model import SAVE_FORMAT, CheckpointerStatus, LoadedCheckpoint, SaveRecord
 from .staging import HostStaging
 from .state import apply, capture, entries, load_template, rebuild
-from .tiers import Choice, choose
+from .tiers import DEFAULT_ALGO, RESCANS, Choice, choose
 
 if TYPE_CHECKING:
     from ..ops.prune.retention import PruneDecision, PrunePolicy
@@ -153,11 +153,20 @@ def _for_other_ranks(error: BaseException, where: Path, rank: int = 0) -> CkptEr
     )
 
 
-def _removed_while_loading(lost: FileNotFoundError, choice: Choice) -> IOFailure:
+class _RemovedWhileLoading(IOFailure):
+    """A file of the chosen save vanished while it was loaded (`_removed_while_loading`):
+    `load_latest` chooses again, on every rank alike (the error reaches each rank, its
+    attributes with it)."""
+
+    #: the step whose save was removed
+    step: int = -1
+
+
+def _removed_while_loading(lost: FileNotFoundError, choice: Choice) -> _RemovedWhileLoading:
     """A file of the chosen save vanished after it was chosen and verified: another process
     removed it (the retention of the Checkpointer training this run, once a newer save was
     published), not a save that does not fit `into`."""
-    return IOFailure(
+    error = _RemovedWhileLoading(
         f"step {choice.step} was removed while it was being loaded ({lost.filename or lost} is "
         "gone): the retention of a Checkpointer writing this run folder (keep_last) may have "
         "deleted it once a newer save was published",
@@ -166,6 +175,8 @@ def _removed_while_loading(lost: FileNotFoundError, choice: Choice) -> IOFailure
         "a run another one trains should load a copy it owns (`ckpt latest RUN` names the "
         "newest save) or run while no save is published.",
     )
+    error.step = choice.step
+    return error
 
 
 def _seconds(timeout: timedelta) -> str:
@@ -676,6 +687,23 @@ class Checkpointer:
                 fix="Call load_latest before close(), or make a new Checkpointer on every rank "
                 "(at the same point: its construction is collective) and load with it.",
             )
+        vanished: int | None = None
+        for _ in range(RESCANS):
+            try:
+                return self._load_newest(into, vanished)
+            except _RemovedWhileLoading as gone:
+                # the training's retention removed the save once it published a newer one:
+                # every rank raised this alike, so every rank chooses again alike
+                vanished = gone.step
+                self.log.info("%s: choosing the save to load again", gone.problem)
+        return self._load_newest(into, vanished)
+
+    def _load_newest(
+        self, into: MutableMapping[str, Any], vanished: int | None
+    ) -> LoadedCheckpoint | None:
+        """One choice and load for `load_latest`; `vanished`: the step of a save removed while
+        it was loaded, so a choice older than it is refused (a save removed while being loaded
+        gives way to a newer one, never silently to an older one)."""
         self._wait_everywhere("the save to load was chosen", _LOADING)
         items = entries(into)
         choice: Choice | None = None
@@ -686,10 +714,22 @@ class Checkpointer:
                 if self._distributed:
                     beat = _Heartbeat(lambda: self._tell_ranks(_BEAT, None), self.timeout)
                     choice = choose(
-                        self.run_dir, self.upload, self.verify, self.log, beat, beat.steady
+                        self.run_dir,
+                        self.upload,
+                        self.verify,
+                        self.log,
+                        beat,
+                        beat.steady,
+                        algo=self.checksums or DEFAULT_ALGO,
                     )
                 else:
-                    choice = choose(self.run_dir, self.upload, self.verify, self.log)
+                    choice = choose(
+                        self.run_dir,
+                        self.upload,
+                        self.verify,
+                        self.log,
+                        algo=self.checksums or DEFAULT_ALGO,
+                    )
             except BaseException as error:
                 if not self._distributed:
                     raise
@@ -701,6 +741,13 @@ class Checkpointer:
             choice, failure = self._tell_ranks(choice, None)
         if failure is not None:
             raise failure
+        if vanished is not None and (choice is None or choice.step < vanished):
+            removed = self.run_dir / f"step-{vanished}"
+            # (the same words as the first time: no newer save took its place)
+            lost = FileNotFoundError(errno.ENOENT, "gone", str(removed))
+            said = _removed_while_loading(lost, Choice(str(removed), vanished, "local"))
+            # a plain IOFailure: `load_latest` chooses no more (it would choose the same)
+            raise IOFailure(said.problem, path=said.path, fix=said.fix)
         if choice is None:
             self.log.info("no complete checkpoint in %s%s", self.run_dir, self._remote_note())
             return None

@@ -109,6 +109,7 @@ class HostStaging:
         return self._copy_into(path, tensor, copied)
 
     def _copy_into(self, path: Path, tensor: torch.Tensor, copied: list[int]) -> torch.Tensor:
+        _refuse_dataless(path, tensor)
         source = tensor.detach()
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
@@ -128,3 +129,31 @@ class HostStaging:
         buffer.copy_(source, non_blocking=buffer.is_pinned())
         copied[0] += buffer.numel() * buffer.element_size()
         return buffer
+
+
+def _refuse_dataless(path: Path, tensor: torch.Tensor) -> None:
+    """Refuse a tensor a save cannot hold as it is, naming the entry (torch's own copy error,
+    `copy_() between dense and sparse Tensors is not implemented!`, names none): a sparse or
+    other non-strided layout (DCP writes dense tensors), one on the meta device (no data), and
+    a quantized one (`torch.qint8`: its copy fails inside torch)."""
+    entry = ".".join(map(str, path))
+    if tensor.device.type == "meta":
+        raise UsageError(
+            f"the state entry {entry!r} is a tensor on the meta device: it holds no data to save",
+            fix="Materialise the module before saving (`module.to_empty(device=...)` and its "
+            "initialisation, or load its weights), or leave the entry out of the state.",
+        )
+    if tensor.is_quantized:
+        raise UsageError(
+            f"the state entry {entry!r} is a quantized {str(tensor.dtype).removeprefix('torch.')} "
+            "tensor (torch's deprecated quantized tensors): a save holds plain tensors",
+            fix="Save its plain form (`t.dequantize()`), or its parts (`t.int_repr()` with "
+            "`t.q_scale()` and `t.q_zero_point()`).",
+        )
+    if tensor.layout != torch.strided:
+        raise UsageError(
+            f"the state entry {entry!r} is a {str(tensor.layout).removeprefix('torch.')} "
+            "tensor: a save holds dense (strided) tensors",
+            fix="Save its dense form (`t.to_dense()`), or its parts as plain tensors (for a "
+            "sparse COO tensor `t.indices()`, `t.values()` and `list(t.shape)`).",
+        )

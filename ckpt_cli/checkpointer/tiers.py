@@ -36,6 +36,8 @@ from ..sources.runs import RunCheckpoint, scan_run
 from ..storage import PARITY_DIR
 from .model import SAVE_FORMAT, Tier
 
+#: the checksum algorithm of a manifest `load_latest` writes again (the Checkpointer's default)
+DEFAULT_ALGO = "xxh3"
 #: the name of a published save (`run_dir/step-N`; its staging folder is hidden until the rename)
 STEP_SAVE = re.compile(r"step-\d+")
 
@@ -77,11 +79,57 @@ def _damaged(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint]:
     ]
 
 
+def _manifest_unreadable(folder: Path) -> bool:
+    """Whether the save's checksum manifest is there but cannot be read as one (garbled)."""
+    from ..ops.verify.checksums import read_manifest
+
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        return False
+    try:
+        read_manifest(path)
+    except FormatError:
+        return True
+    return False
+
+
+def _rewrite_manifest(
+    save: RunCheckpoint, problem: str, algo: str, log: logging.Logger, progress: Progress
+) -> tuple[list[str], str | None]:
+    """Write the garbled checksum manifest of `save` again, once its parity found every file
+    it covers intact (the manifest is the one file parity does not cover): the digests are
+    taken of files the parity vouches for. (The manifest, None), or ([], why not); `progress`
+    receives the hashing (under torchrun, rank 0's heartbeat to the waiting ranks)."""
+    from ..ops.verify.run import verify
+
+    try:
+        report = verify(save.path, write_manifest=True, algo=algo, force=True, progress=progress)
+    except (CkptError, OSError) as error:
+        return [], f"{problem.rstrip('.')}; writing it again failed: {error}"
+    if not report.manifest_written:
+        first = next((p.message for p in report.problems if p.severity == "error"), "")
+        return [], f"{problem.rstrip('.')}; it could not be written again: {first}"
+    log.warning(
+        "checkpoint %s failed its check (%s); its parity finds every data file intact: "
+        "wrote %s again",
+        save.path,
+        problem,
+        MANIFEST_NAME,
+    )
+    return [MANIFEST_NAME], None
+
+
 def _repair(
-    save: RunCheckpoint, problem: str, log: logging.Logger, progress: Progress
+    save: RunCheckpoint,
+    problem: str,
+    log: logging.Logger,
+    progress: Progress,
+    algo: str = DEFAULT_ALGO,
 ) -> tuple[list[str], str | None]:
     """Rebuild the damaged files of the local save `save` (whose check found `problem`) from
-    its parity, as `ckpt repair` does: (the files rebuilt, None), or ([], why it could not)."""
+    its parity, as `ckpt repair` does: (the files rebuilt, None), or ([], why it could not).
+    A garbled checksum manifest (which parity does not cover) is written again in `algo` once
+    the parity finds every file it covers intact."""
     from ..ops.parity import repair
 
     try:
@@ -98,6 +146,8 @@ def _repair(
             f"{problem.rstrip('.')}; the damage is beyond its parity ({lost} cannot be rebuilt)",
         )
     if not report.rebuilt:
+        if _manifest_unreadable(Path(save.path)):
+            return _rewrite_manifest(save, problem, algo, log, progress)
         return [], (
             f"{problem.rstrip('.')}; its parity finds every file it covers intact (the damage "
             "is in one it does not cover)"
@@ -113,6 +163,9 @@ def _repair(
         problem,
         ", ".join(rebuilt),
     )
+    if _manifest_unreadable(folder):  # (the files are whole again: the manifest is the rest)
+        written, _ = _rewrite_manifest(save, problem, algo, log, progress)
+        rebuilt += written
     return rebuilt, None
 
 
@@ -160,18 +213,20 @@ def choose(
     log: logging.Logger,
     progress: Progress = NULL_PROGRESS,
     in_store: Callable[[], AbstractContextManager[None]] = nullcontext,
+    algo: str = DEFAULT_ALGO,
 ) -> Choice | None:
     """The newest complete, verified save over both tiers (see the module), or None;
     `progress` receives the checks' checksum passes, and the listing of the object store and
     the pull from it run inside `in_store()` (under torchrun, rank 0's heartbeat on a clock:
-    the store's requests report no progress).
+    the store's requests report no progress); `algo`: the algorithm of a garbled checksum
+    manifest written again (`_repair`).
 
     A local save removed while it is judged (the retention of the process training this run,
     once it published a newer save) is no damage: the run folder is read again, and the newer
     save judged in its place."""
     for _ in range(RESCANS):
         try:
-            return _choose(run_dir, upload, checks, log, progress, in_store)
+            return _choose(run_dir, upload, checks, log, progress, in_store, algo)
         except _Vanished as gone:
             log.info(
                 "%s was removed while load_latest checked it (the retention of the process "
@@ -189,7 +244,11 @@ def choose(
 
 
 def _judge_local(
-    save: RunCheckpoint, checks: str, log: logging.Logger, progress: Progress
+    save: RunCheckpoint,
+    checks: str,
+    log: logging.Logger,
+    progress: Progress,
+    algo: str = DEFAULT_ALGO,
 ) -> tuple[list[str], str | None, list[str]]:
     """Check the local save `save` (rebuilding it from its parity if it is damaged and has
     one): (the checks that ran, the problem left or None, the files rebuilt). Raises
@@ -202,7 +261,7 @@ def _judge_local(
         else:
             ran, problem = [], _located(save.path, save.reason or "incomplete")
         if problem is not None and (folder / PARITY_DIR).is_dir():
-            repaired, unrepaired = _repair(save, problem, log, progress)
+            repaired, unrepaired = _repair(save, problem, log, progress, algo)
             if unrepaired is None:
                 # the repair checked each rebuilt file against the parity's sha256; the save
                 # is checked again as a whole (the structure a lost marker hid, the manifest)
@@ -225,6 +284,7 @@ def _choose(
     log: logging.Logger,
     progress: Progress,
     in_store: Callable[[], AbstractContextManager[None]],
+    algo: str = DEFAULT_ALGO,
 ) -> Choice | None:
     """One reading of the run folder for `choose`."""
     skipped: list[str] = []
@@ -273,7 +333,7 @@ def _choose(
             newer = [r for r in every_remote if (r.step or 0) > c.step]
             if (pulled := pull(newer, "newer than every local save that passes")) is not None:
                 return pulled
-        ran, problem, repaired = _judge_local(c, checks, log, progress)
+        ran, problem, repaired = _judge_local(c, checks, log, progress, algo)
         if problem is None:
             return Choice(
                 path=c.path,

@@ -265,7 +265,7 @@ def folder_contents(files: dict[str, int]) -> str:
 def holds_only_nested_checkpoints(source: Source) -> bool:
     """Whether `source` is a folder with no checkpoint file of its own but some in its
     subfolders: a run folder, a folder of runs, or one of saves (`final/`, `best/`), which the
-    layer that knows runs names (`sources.layouts.format_of`); by file names only."""
+    layer that knows runs names (`sources.opening.format_of`); by file names only."""
     if source.target is None:
         on_top = nested = False
         for name in source.files:

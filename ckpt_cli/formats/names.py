@@ -27,6 +27,9 @@ INDEX_SUFFIX = ".index.json"
 SAFETENSORS_INDEX_SUFFIX = SAFETENSORS_SUFFIX + INDEX_SUFFIX
 #: the index of sharded `pytorch_model-0000N-of-0000M.bin` files
 TORCH_INDEX_SUFFIX = TORCH_BIN_SUFFIX + INDEX_SUFFIX
+#: written into a checkpoint folder that `ckpt prune --slim-older-than` slimmed to its weights:
+#: the save holds no optimizer or RNG state on purpose, and every training layout says so
+SLIM_RECORD = "ckpt-slim.json"
 #: pickles a training save holds beside its tensors (accelerate's `random_states_0.pkl`)
 PICKLE_SUFFIX = ".pkl"
 

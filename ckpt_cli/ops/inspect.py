@@ -23,8 +23,9 @@ from ..quant import (
     parameter_counter,
     prefetch_config,
 )
-from ..sources.layouts import OpenedSource, open_source
+from ..sources.layouts import OpenedSource
 from ..sources.layouts.model_folders import LayoutInfo
+from ..sources.opening import open_source
 from ..sources.runs.records import RunReport
 from ..storage.uri import parse_location
 from .shared.selection import name_chosen

@@ -13,6 +13,9 @@ other tensor is copied as raw bytes. Peak memory is one base weight plus its two
 target whose base weight is quantized is refused before anything is written: an update added
 to quantized codes is wrong data.
 
+IA³, LoHa and LoKr adapters are merged the same way, weight by weight, by `merge_variants`
+(their `modules_to_save` copies as a LoRA adapter's).
+
 The output keeps the base's naming (one `model.safetensors`, or its shard size and index; a
 diffusers model's `diffusion_pytorch_model[.VARIANT]` names) and
 carries the base's non-weight files (`config.json`, tokenizer, generation config), so it loads
@@ -25,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,9 +42,9 @@ from ..formats.names import is_checkpoint_file
 from ..models import Entry, FileInfo, Record, Request
 from ..progress import NULL_PROGRESS, Progress
 from ..quant import QuantAnalysis, analyse_checkpoint, label
-from ..sources.layouts.base import open_plain
 from ..sources.layouts.model_folders import DIFFUSERS_LORA_FILES, apply_naming, read_json
 from ..sources.model_files import MAX_EXTRA_BYTES
+from ..sources.opening import open_plain
 from ..sources.runs.naming import top_folders
 from ..storage.output import (
     check_destination,
@@ -50,6 +54,14 @@ from ..storage.output import (
 )
 from ..storage.uri import parse_location
 from .convert.plan import SERVING_FILES, guard_paths, planned_files
+from .merge_variants import (
+    VARIANT_LABELS,
+    VariantUpdate,
+    check_rank_and_alpha,
+    check_variant_config,
+    plan_variants,
+    split_variant_entries,
+)
 from .shared.transfer import (
     SkippedEntry,
     TransferPlan,
@@ -92,9 +104,10 @@ class MergeReport(Record):
 
     Attributes:
         base / adapter / dest: what was read and written.
-        adapter_type / base_model: from `adapter_config.json`.
-        r / lora_alpha: the adapter's default rank and alpha.
-        merged: base weights (and biases, `lora_bias`) that received a LoRA update.
+        adapter_type / base_model: from `adapter_config.json` (LoRA, IA³, LoHa or LoKr).
+        r / lora_alpha: the adapter's default rank and alpha (LoHa / LoKr's `alpha`; None
+            for IA³, which has neither).
+        merged: base weights (and biases, `lora_bias`, IA³'s) that received an update.
         replaced: base weights replaced by the adapter's `modules_to_save` copy.
         copied: base tensors written unchanged.
         vocab_size: the vocabulary the merged model holds when the adapter was trained on a
@@ -140,49 +153,13 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
-def _is_rank(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _is_alpha(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check_lora_config(config: dict[str, Any], adapter: str) -> None:
     """The numbers `scaling = lora_alpha / r` is made of, as peft accepts them: `r: 0` was a
     ZeroDivisionError (exit 70), a negative `r` merged with a negative scaling, and a pattern
     that is not a mapping an AttributeError."""
     where = f"{adapter.rstrip('/')}/adapter_config.json"
     fix = "Fix adapter_config.json (peft writes r >= 1 and a numeric lora_alpha), or re-save it."
-    if not _is_rank(config.get("r")):
-        raise FormatError(
-            f"r must be a whole number >= 1, not {config.get('r')!r}", path=where, fix=fix
-        )
-    if not _is_alpha(config.get("lora_alpha")):
-        raise FormatError(
-            f"lora_alpha must be a finite number, not {config.get('lora_alpha')!r}",
-            path=where,
-            fix=fix,
-        )
-    for key, valid in (("rank_pattern", _is_rank), ("alpha_pattern", _is_alpha)):
-        patterns = config.get(key) or {}
-        if not isinstance(patterns, dict) or not all(
-            isinstance(k, str) and valid(v) for k, v in patterns.items()
-        ):
-            raise FormatError(
-                f"{key} must map module names to {'ranks' if key == 'rank_pattern' else 'alphas'}",
-                path=where,
-                fix=fix,
-            )
-        for pattern in patterns:
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise FormatError(
-                    f"{key} key {pattern!r} is not a regular expression ({exc})",
-                    path=where,
-                    fix=fix,
-                ) from None
+    check_rank_and_alpha(config, "lora_alpha", where, fix)
 
 
 class _Update:
@@ -298,6 +275,7 @@ class MergedCheckpoint(Checkpoint):
         config: dict[str, Any],
         untied: dict[str, tuple[str | None, str]] | None = None,
         resized: dict[str, list[int]] | None = None,
+        variants: dict[str, VariantUpdate] | None = None,
     ):
         # the shapes of the vocabulary tensors the adapter saved resized (name -> shape)
         resized = resized or {}
@@ -311,9 +289,11 @@ class MergedCheckpoint(Checkpoint):
                 update |= {"shape": shape, "nbytes": itemsize(entry.dtype) * numel(shape)}
             return entry.model_copy(update=update)
 
+        # an IA³ / LoHa / LoKr adapter's updates (base tensor -> its update)
+        self.variants = variants or {}
         entries: list[Entry] = []
         for entry in base.manifest.entries:
-            if entry.name in updates or entry.name in replaced:
+            if entry.name in updates or entry.name in replaced or entry.name in self.variants:
                 entry = computed(entry, entry.name)
             entries.append(entry)
         # an output head the base tied to its embedding, written as its own tensor: the
@@ -350,6 +330,9 @@ class MergedCheckpoint(Checkpoint):
             weight = weight.to(torch_dtype(dtype)) if dtype else weight
         else:
             weight = self.base.read_tensor(name)
+        variant = self.variants.get(name)
+        if variant is not None:
+            return variant.merged(weight, self.adapter.read_tensor)
         update = self.updates.get(name)
         if update is None:
             return weight
@@ -551,17 +534,23 @@ def _base_name(
 
 
 def _not_mergeable(
-    base: Checkpoint, quant: QuantAnalysis, target: str, module: str, names: set[str]
+    base: Checkpoint,
+    quant: QuantAnalysis,
+    target: str,
+    module: str,
+    names: set[str],
+    update: str = "a LoRA update",
 ) -> FormatError | None:
     """Why `target`, the base weight a LoRA module updates, cannot take the update: quantized
     by a scheme `quant` recognises (its codes are not values), or held in a dtype peft adds
-    no update into (integer codes such as bitsandbytes' LLM.int8, FP8 without a scale)."""
+    no update into (integer codes such as bitsandbytes' LLM.int8, FP8 without a scale).
+    `update`: what the adapter merges, as the message says it ("the IA³ update")."""
     where = base.manifest.location
     recognised = quant.weights.get(target)
     if recognised is not None:
         return FormatError(
             f"the adapter targets {module!r}, whose base weight {recognised.payload!r} is "
-            f"quantized ({label(recognised.scheme, recognised.block)}): a LoRA update added to "
+            f"quantized ({label(recognised.scheme, recognised.block)}): {update} applied to "
             "quantized values is wrong data",
             path=where,
             fix="Dequantize the base first (`ckpt convert BASE DEQUANTIZED --to safetensors "
@@ -574,7 +563,7 @@ def _not_mergeable(
         scheme = quant.packed_scheme[packed]
         return FormatError(
             f"the adapter targets {module!r}, whose base weight {target!r} is quantized "
-            f"({scheme}, stored packed as {quant.packed[packed][0]!r}): a LoRA update added "
+            f"({scheme}, stored packed as {quant.packed[packed][0]!r}): {update} applied "
             "to quantized values is wrong data",
             path=where,
             fix=f"Dequantize the base to float16/bfloat16/float32 with {scheme}'s own tools "
@@ -586,8 +575,8 @@ def _not_mergeable(
     method = quant.config.method
     return FormatError(
         f"the adapter targets {module!r}, whose base weight {target!r} is {dtype}"
-        f"{f' ({method} quantization)' if method else ''}: peft adds a LoRA update only into "
-        "float16, bfloat16, float32 or float64 weights, and added to quantized values it is "
+        f"{f' ({method} quantization)' if method else ''}: peft merges {update} only into "
+        "float16, bfloat16, float32 or float64 weights, and applied to quantized values it is "
         "wrong data",
         path=where,
         fix="Dequantize the base to float16/bfloat16/float32"
@@ -630,6 +619,7 @@ def _plan_updates(
     config: dict[str, Any],
     quant: QuantAnalysis,
     model_type: str | None = None,
+    entries: list[Entry] | None = None,
 ) -> tuple[
     dict[str, _Update],
     dict[str, str],
@@ -639,7 +629,10 @@ def _plan_updates(
     """The LoRA updates (base weight -> factors), the `modules_to_save` copies (base weight
     -> adapter tensor), the output heads to write untied (name -> (adapter tensor, the
     embedding the base ties it to)) and, for an adapter trained on a resized vocabulary, the
-    shapes its saved embedding and output head give those tensors (`_check_vocabulary`)."""
+    shapes its saved embedding and output head give those tensors (`_check_vocabulary`).
+    `entries`: the adapter tensors to plan (None: all; an IA³ / LoHa / LoKr adapter's other
+    than its own layers', its `modules_to_save` copies)."""
+    planned = adapter.manifest.entries if entries is None else entries
     names = {e.name for e in base.manifest.entries if e.kind == "tensor"}
     # a quantized weight may be stored under another name (`weight_packed`, `_blocks`): a LoRA
     # target is looked up among what the base's weights are, to be refused by name
@@ -650,12 +643,12 @@ def _plan_updates(
     untied: dict[str, tuple[str | None, str]] = {}
     resized: dict[str, list[int]] = {}
     where = adapter.manifest.location
-    adapter_keys = {e.name.removeprefix(_PEFT_PREFIX) for e in adapter.manifest.entries}
+    adapter_keys = {e.name.removeprefix(_PEFT_PREFIX) for e in planned}
     parameter_targets = _parameter_targets(config)
     # the factors of peft's `ParamWrapper`s (`target_parameters`): module -> its wrappers, the
     # outermost first (depth = the `.base_layer` parts after the module's name) -> part -> entry
     wrapped: dict[str, dict[int, dict[str, Entry]]] = {}
-    for entry in adapter.manifest.entries:
+    for entry in planned:
         if entry.kind != "tensor":
             continue
         key = entry.name.removeprefix(_PEFT_PREFIX)
@@ -1122,14 +1115,16 @@ def _check_coverage(
     base: Checkpoint,
     config: dict[str, Any],
     names: set[str],
-    updates: dict[str, _Update],
+    updates: Collection[str],
     where: str,
+    held: str = "LoRA factors",
 ) -> None:
     """Refuse an adapter trained on another base that happens to fit this one's shapes (a
     shallower model of the same width): a base layer its own `target_modules` selects, holding
     no LoRA factors. peft warns of the missing keys and leaves (or fills at random) what it
     never trained. Not judged where the config narrows the targets otherwise
-    (`layers_to_transform`, `exclude_modules`, `target_parameters`, `all-linear`)."""
+    (`layers_to_transform`, `exclude_modules`, `target_parameters`, `all-linear`).
+    `updates`: the base weights the adapter updates; `held`: what it holds per layer."""
     targets = config.get("target_modules")
     if (
         not targets
@@ -1158,7 +1153,7 @@ def _check_coverage(
         more = f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else ""
         raise FormatError(
             f"adapter_config.json targets {config['target_modules']!r}, which selects the base's "
-            f"{module!r}{more}, but the adapter holds no LoRA factors for it: it was trained "
+            f"{module!r}{more}, but the adapter holds no {held} for it: it was trained "
             f"on another base ({config.get('base_model_name_or_path') or 'unnamed'})",
             path=where,
             fix="Check that the adapter was trained on this base model; merge it into the "
@@ -1219,14 +1214,18 @@ def merge_with(
             path=adapter,
             fix="Point ADAPTER at the folder peft's save_pretrained wrote.",
         )
-    kind = str(config.get("peft_type") or "")
-    if kind.upper() != "LORA":
+    kind = str(config.get("peft_type") or "").upper()
+    if kind in VARIANT_LABELS:
+        check_variant_config(kind, config, adapter)
+    elif kind != "LORA":
         raise FormatError(
-            f"is a {kind or 'non-LoRA'} adapter; `ckpt merge` merges LoRA adapters",
+            f"is a {config.get('peft_type') or 'non-LoRA'} adapter; `ckpt merge` merges LoRA "
+            "(and DoRA), IA³, LoHa and LoKr adapters",
             path=adapter,
-            fix="Merge it with peft's merge_and_unload.",
+            fix="Merge it with peft's merge_and_unload() and save_pretrained.",
         )
-    _check_lora_config(config, adapter)
+    else:
+        _check_lora_config(config, adapter)
     if config.get("trainable_token_indices"):
         raise FormatError(
             "trains tokens of an embedding (trainable_token_indices), which `ckpt merge` "
@@ -1286,19 +1285,19 @@ def merge_with(
     )
     try:
         quant = analyse_checkpoint(base_checkpoint.manifest, base_checkpoint.storage)
+        known_type = model_type if isinstance(model_type, str) else None
+        variants, rest = _plan_variants(
+            kind, base_checkpoint, adapter_checkpoint, config, quant, known_type
+        )
         updates, replaced, untied, resized = _plan_updates(
-            base_checkpoint,
-            adapter_checkpoint,
-            config,
-            quant,
-            model_type if isinstance(model_type, str) else None,
+            base_checkpoint, adapter_checkpoint, config, quant, known_type, rest
         )
     except BaseException:
         base_checkpoint.close()
         adapter_checkpoint.close()
         raise
     merged = MergedCheckpoint(
-        base_checkpoint, adapter_checkpoint, updates, replaced, config, untied, resized
+        base_checkpoint, adapter_checkpoint, updates, replaced, config, untied, resized, variants
     )
     # the vocabulary the adapter was trained on, when it resized the base's
     vocab_size = next((shape[0] for shape in resized.values()), None)
@@ -1387,16 +1386,17 @@ def merge_with(
         base=base,
         adapter=adapter,
         dest=str(dest_path),
-        adapter_type="LoRA",
+        adapter_type=VARIANT_LABELS.get(kind, "LoRA"),
         base_model=config.get("base_model_name_or_path"),
-        r=config["r"],
-        lora_alpha=config["lora_alpha"],
-        merged=sorted(updates),
+        r=config.get("r"),
+        lora_alpha=config.get("alpha" if kind in VARIANT_LABELS else "lora_alpha"),
+        merged=sorted([*updates, *variants]),
         replaced=sorted([*replaced, *(a for a, (copy, _) in untied.items() if copy)]),
         copied=sum(
             1
             for name in written_names
             if name not in updates
+            and name not in variants
             and name not in replaced
             and not (name in untied and untied[name][0])
         ),
@@ -1409,6 +1409,64 @@ def merge_with(
         dtypes=dict(sorted(dtypes.items())),
         dry_run=request.dry_run,
     )
+
+
+def _plan_variants(
+    kind: str,
+    base: Checkpoint,
+    adapter: Checkpoint,
+    config: dict[str, Any],
+    quant: QuantAnalysis,
+    model_type: str | None,
+) -> tuple[dict[str, VariantUpdate], list[Entry] | None]:
+    """An IA³ / LoHa / LoKr adapter's own updates (`merge_variants.plan_variants`), and the
+    adapter tensors left to plan as a LoRA adapter's are (its `modules_to_save` copies).
+    Nothing, and None (every tensor), for a LoRA adapter."""
+    if kind not in VARIANT_LABELS:
+        return {}, None
+    tensors = [e for e in adapter.manifest.entries if e.kind == "tensor"]
+    own, rest = split_variant_entries(kind, tensors)
+    names = {e.name for e in base.manifest.entries if e.kind == "tensor"}
+    known = names | set(quant.weights) | {m + ".weight" for m in quant.packed}
+    shapes = {n: list(base.manifest.by_name[n].shape) for n in names}
+    tied = _tied_names(names)
+
+    def is_conv1d(module: str) -> bool:
+        """A square weight's layer is transformers' `Conv1D` (`_orientation`'s rule)."""
+        if model_type is None:
+            return bool(config.get("fan_in_fan_out"))
+        return model_type in _CONV1D_MODEL_TYPES and module.rsplit(".", 1)[-1] in _CONV1D_MODULES
+
+    variants = plan_variants(
+        kind,
+        config,
+        own,
+        shapes,
+        # a layer on the output head of a base that ties it to its embedding updates that
+        # one shared tensor, as peft's merge does (and LoRA's, above)
+        lambda module, suffix: _base_name(module, suffix, known, tied),
+        lambda target, module: _not_mergeable(
+            base, quant, target, module, names, f"the {VARIANT_LABELS[kind]} update"
+        ),
+        is_conv1d,
+        adapter.manifest.location,
+    )
+    if not variants:
+        raise FormatError(
+            f"holds no {VARIANT_LABELS[kind]} tensors",
+            path=adapter.manifest.location,
+            fix="Point ADAPTER at the folder peft's save_pretrained wrote.",
+        )
+    # an adapter trained on a shallower base of the same width fits every weight it holds
+    _check_coverage(
+        base,
+        config,
+        names,
+        variants,
+        adapter.manifest.location,
+        f"{VARIANT_LABELS[kind]} weights",
+    )
+    return variants, rest
 
 
 def _refuse_pipeline_base(

@@ -12,14 +12,14 @@ never torch, so `inspect` and plain `verify` stay metadata-only. The schemes:
 | `mxfp4` / `mxfp8` | `*_blocks` U8 (two E2M1 a byte) / F8 `[..., G, B]` | `*_scales` E8M0 (often U8) | `[..., G]`, 32 values a group |
 | `nvfp4` (ModelOpt) | `*.weight` U8 `[o, i/2]` | `weight_scale` F8_E4M3 `[o, i/16]`, `weight_scale_2` F32 | `weight_scale_2` one value |
 | `nvfp4-ct` (compressed-tensors) | `*.weight_packed` U8 `[o, i/2]` | `weight_scale` F8_E4M3 `[o, i/16]`, `weight_global_scale` F32 `[1]` | global scale the reciprocal of ModelOpt's |
-| `mxfp4-ct` / `mxfp8-ct` (compressed-tensors) | `*.weight_packed` U8 `[..., i/2]` / `*.weight` F8 `[..., i]` | `weight_scale` E8M0 (U8) | `[..., i/32]` |
+| `mxfp4-ct` / `mxfp6-ct` / `mxfp8-ct` (compressed-tensors) | `*.weight_packed` U8 `[..., i/2]` / U8 `[..., i*3/4]` / `*.weight` F8 `[..., i]` | `weight_scale` E8M0 (U8) | `[..., i/32]` |
+| `int{bits}-ct-packed` (compressed-tensors `pack-quantized`) | `*.weight_packed` I32 `[..., ceil(i*bits/32)]` | `weight_scale`, `weight_shape`, `weight_zero_point` (asymmetric), `weight_g_idx` (activation order) | `[1]`, `[..., 1]` or `[..., i/group]` |
+| `int8-ct` (compressed-tensors `int-quantized`) | `*.weight` I8 `[..., i]` | `weight_scale`, `weight_zero_point` | as above |
 
 Packed schemes are recognised but not dequantized, their tensors kept as stored, together and
 never cast (`QuantAnalysis.packed`): GPTQ / AWQ (`qweight`, `qzeros`, `scales`, `g_idx`),
 bitsandbytes (a U8 / I8 `weight` with `weight.absmax`, `weight.quant_map`,
-`weight.quant_state.bitsandbytes__*` / `SCB`) and compressed-tensors' integer formats
-(`weight_packed` I32 with `weight_scale`, `weight_shape`...; an I8 `weight` with `weight_scale`;
-MXFP6's U8 `weight_packed` with its E8M0 `weight_scale`).
+`weight.quant_state.bitsandbytes__*` / `SCB`).
 
 The scheme models and config reading live in `quant.schemes`, recognition per scheme family in
 `quant.recognise`, the sidecar, grid and config checks in `quant.checks`; dequantization (torch,

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .. import dtypes
+from ..formats.names import SAFETENSORS_SUFFIX
 from ..models import DTYPE, FILE, SHAPE, Problem, TensorFacts
 from .schemes import (
     FP8,
@@ -19,6 +20,7 @@ from .schemes import (
     ignored,
     label,
     scheme_family,
+    unread_block_sizes,
 )
 
 
@@ -246,6 +248,30 @@ def check_config(checks: Checks, config: QuantConfig, families: set[str] | None)
             "the weights are quantized but no config.json / hf_quant_config.json says how",
             "Loaders need the quantization config to read them; copy it next to the weights.",
             warn=True,
+        )
+    _unread_block_sizes(checks, config)
+
+
+def _unread_block_sizes(checks: Checks, config: QuantConfig) -> None:
+    """A block size the config gives that is none (`block_structure: [0, 0]`): ckpt reads the
+    blocks from the scales' grid, loaders from the config; a warning on the config file."""
+    if config.file is None:
+        return
+    where = checks.where.rstrip("/")
+    folder = where.rpartition("/")[0] if where.endswith(SAFETENSORS_SUFFIX) else where
+    config_path = f"{folder}/{config.file}" if folder else config.file
+    for setting, value in unread_block_sizes(config.raw):
+        checks.out.problems.append(
+            Problem(
+                code="config_mismatch",
+                message=f"{config_path}: {setting} is {value!r}, which is no block size (two "
+                "positive integers); ckpt takes the blocks from the scales' grid, but loaders "
+                "follow the config",
+                file=config_path,
+                severity="warning",
+                fix="Write the block size the weights were quantized with (e.g. [128, 128]) "
+                "into the config.",
+            )
         )
 
 

@@ -4,7 +4,7 @@ Each function follows the scheme's published formula, in the operation order of 
 implementation, so results are bit-identical to it: torch's
 `QuantizedHuggingFaceStorageReader` for block FP8 and MXFP4, compressed-tensors'
 `NVFP4PackedCompressor.decompress` for its NVFP4, ModelOpt's `fp4 * (weight_scale *
-weight_scale_2)` for ModelOpt NVFP4. Work is done in row chunks, so the temporaries stay a
+weight_scale_2)` for ModelOpt NVFP4, compressed-tensors' `dequantize` for its integer formats. Work is done in row chunks, so the temporaries stay a
 fraction of the weight: peak memory is the quantized weight, its scales and the output.
 
 `DequantizedCheckpoint` wraps an opened checkpoint: its manifest lists dequantized weights in
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from abc import abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ from ..errors import FormatError
 from ..formats.base import Checkpoint, leading_slab
 from ..models import Entry, Manifest, Problem, ProblemList
 from ..storage.fileio import COPY_BLOCK
-from .schemes import ACTIVATION, QuantAnalysis, QuantWeight
+from .schemes import ACTIVATION, INT_CT_PACKED, QuantAnalysis, QuantWeight, label
 
 if TYPE_CHECKING:
     import torch
@@ -155,6 +156,37 @@ def mxfp8(blocks: torch.Tensor, scales: torch.Tensor, dtype: str) -> torch.Tenso
     return values.to(_dtype(dtype)).reshape(*prefix, groups * width)
 
 
+#: E2M3 magnitudes by 5-bit code (OCP MX FP6; the sign is bit 5), as compressed-tensors
+#: reads them
+E2M3_VALUES = [m / 8 for m in range(8)] + [(1 + m / 8) * 2**e for e in range(3) for m in range(8)]
+
+
+def mxfp6(packed: torch.Tensor, scales: torch.Tensor, dtype: str) -> torch.Tensor:
+    """compressed-tensors' MXFP6 (`mxfp6-pack-quantized`): `[..., in*3/4]` bytes, four E2M3
+    codes in three (little-endian, the first in the low bits), times their E8M0 group scale
+    `[..., in/32]`; computed as `MXFP6PackedCompressor.decompress` does, in bfloat16 (exact
+    E2M3 values times `2.0 ** exponent`), then cast to `dtype`."""
+    import torch
+
+    target = _dtype(dtype)
+    *prefix, width = packed.shape
+    rows, cols = math.prod(prefix), width * 4 // 3
+    flat = packed.reshape(rows, width // 3, 3)
+    factor = (2.0 ** _exponents(scales).to(torch.bfloat16)).reshape(rows, -1, 1)
+    lut = torch.tensor(E2M3_VALUES, dtype=torch.float32)
+    out = torch.empty(rows, cols, dtype=target)
+    for r0 in range(0, rows, ROWS):
+        r1 = min(r0 + ROWS, rows)
+        b = flat[r0:r1].to(torch.int32)
+        word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16
+        codes = torch.stack([word >> shift & 0x3F for shift in (0, 6, 12, 18)], dim=-1)
+        magnitude = lut[codes & 0x1F]
+        values = torch.where(codes & 0x20 != 0, -magnitude, magnitude).to(torch.bfloat16)
+        values = values.reshape(r1 - r0, -1, 32) * factor[r0:r1]
+        out[r0:r1] = values.reshape(r1 - r0, cols).to(target)
+    return out.reshape(*prefix, cols)
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """`[o, i/2]` bytes -> `[o, i]` float32 E2M1 values (low nibble first)."""
     import torch
@@ -198,6 +230,214 @@ def nvfp4(
     return out
 
 
+def unpack_int32(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """compressed-tensors' `pack_to_int32` undone: `[rows, words]` int32 -> `[rows, cols]`
+    int8 values. Value `i` of a row is the row's bits `i*bits ..` (low bits first, words in
+    order), offset by `2^(bits-1)`. For `bits` dividing 32 (1, 2, 4, 8) this is also every
+    earlier compressed-tensors' packing (`32 / bits` values a word), so only those are read."""
+    import sys
+
+    import torch
+
+    raw = words.contiguous().view(torch.uint8).reshape(words.shape[0], -1, 4)
+    if sys.byteorder == "big":
+        raw = raw.flip(-1)  # a word's bytes, least significant first
+    raw = raw.reshape(words.shape[0], -1)
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    values = (raw.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    values = values.reshape(words.shape[0], raw.shape[1] * per)[:, :cols]
+    return (values.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+
+
+def int_ct(
+    payload: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    layout: IntLayout,
+    dtype: str,
+) -> torch.Tensor:
+    """compressed-tensors' integer weights, as its `dequantize` computes them: in the
+    scale's dtype, `(q - zero_point) * scale` with the scale of the value's tensor, channel
+    or group (`g_idx[column]` under activation ordering, as compressed-tensors' permuted
+    groups amount to), then cast to `dtype`. `layout` is what `int_layout` checked."""
+    import torch
+
+    *lead, cols = layout.shape
+    rows = math.prod(lead)
+    target = _dtype(dtype)
+    flat = payload.reshape(rows, -1)
+    unit = scale.dtype
+    factor = scale.reshape(()) if layout.groups == 0 else scale.reshape(rows, -1)
+    zero = None
+    if zero_point is not None:
+        zero = zero_point.reshape(()) if layout.groups == 0 else _zero_points(zero_point, layout)
+    column_group = None
+    if layout.groups > 1:
+        column_group = (
+            g_idx.to(torch.long)
+            if g_idx is not None and layout.ordered
+            else torch.arange(cols) // (cols // layout.groups)
+        )
+    out = torch.empty(rows, cols, dtype=target)
+    for r0 in range(0, rows, ROWS):
+        r1 = min(r0 + ROWS, rows)
+        codes = flat[r0:r1]
+        if layout.packed:
+            codes = unpack_int32(codes, layout.bits, cols)
+        values = codes.to(unit)
+        per = factor if factor.dim() == 0 else factor[r0:r1]
+        zp = zero if zero is None or zero.dim() == 0 else zero[r0:r1]
+        if column_group is not None:
+            per = per.index_select(1, column_group)
+            zp = zp.index_select(1, column_group) if zp is not None else None
+        if zp is not None:
+            values = values - zp.to(unit)
+        out[r0:r1] = (values * per).to(target)
+    return out.reshape(layout.shape)
+
+
+def _zero_points(zero_point: torch.Tensor, layout: IntLayout) -> torch.Tensor:
+    """The zero points `[rows, groups]`: int8 as stored, or unpacked from the int32 words
+    compressed-tensors packs them in along the output dimension (per matrix)."""
+    import torch
+
+    out_rows = layout.shape[-2]
+    groups = max(layout.groups, 1)
+    if zero_point.dtype != torch.int32:
+        return zero_point.reshape(-1, groups)
+    mats = zero_point.reshape(-1, *zero_point.shape[-2:])
+    unpacked = [
+        unpack_int32(m.transpose(0, 1), layout.bits, out_rows).transpose(0, 1) for m in mats
+    ]
+    return torch.cat(unpacked).reshape(-1, groups)
+
+
+@dataclass(frozen=True)
+class IntLayout:
+    """A compressed-tensors integer weight as its stored tensors' values say (`int_layout`).
+
+    Attributes:
+        shape: the dequantized shape (`weight_shape`'s value for a packed weight).
+        bits: bits a value (8 for `int-quantized`).
+        packed: the payload is `pack-quantized` int32 words.
+        groups: scales a row: 0 per tensor, 1 per channel, more per group.
+        ordered: a `g_idx` assigns columns to groups (activation ordering).
+    """
+
+    shape: tuple[int, ...]
+    bits: int
+    packed: bool
+    groups: int
+    ordered: bool
+
+
+def int_layout(
+    weight: QuantWeight,
+    tensors: dict[str, torch.Tensor],
+    payload_shape: list[int],
+    scale_shape: list[int],
+    payload_dtype: str = "int32",
+) -> IntLayout:
+    """Check a compressed-tensors integer weight against its small stored tensors
+    (`weight_shape`, `weight_g_idx`, `weight_zero_point`; payload and scale by shape):
+    ValueError, saying why, when compressed-tensors could not dequantize it either or ckpt
+    cannot match it bit for bit."""
+    import torch
+
+    packed = INT_CT_PACKED.fullmatch(weight.scheme) is not None
+    bits = int(weight.scheme[3]) if packed else 8
+    if packed and payload_dtype != "int32":
+        raise ValueError(
+            f"its packed values are {payload_dtype}; compressed-tensors packs them in int32 words"
+        )
+    if packed:
+        stored = tensors.get(weight.sidecars.get("shape", ""))
+        if stored is None or stored.dim() != 1 or stored.is_floating_point():
+            raise ValueError("its weight_shape is missing or no list of sizes")
+        shape = tuple(int(v) for v in stored.tolist())
+        if len(shape) != len(payload_shape) or list(shape[:-1]) != payload_shape[:-1]:
+            raise ValueError(
+                f"its weight_shape {list(shape)} does not fit the packed {payload_shape}"
+            )
+        if 32 % bits:
+            raise ValueError(
+                f"its values are {bits}-bit, whose packing changed between compressed-tensors "
+                "versions; ckpt reads 1, 2, 4 and 8-bit packing only"
+            )
+        needed = math.ceil(shape[-1] * bits / 32)
+        if needed != payload_shape[-1]:
+            raise ValueError(
+                f"its weight_shape {list(shape)} needs {needed} int32 words a row at {bits} "
+                f"bits, and the packed weight has {payload_shape[-1]} (a wrong weight_shape, "
+                "or the config's num_bits is not the one it was packed with)"
+            )
+    else:
+        shape = tuple(payload_shape)
+    *lead, cols = shape
+    if math.prod(scale_shape) == 1 and len(scale_shape) <= 1:
+        groups = 0
+    elif list(scale_shape[:-1]) == lead and scale_shape[-1] >= 1 and cols % scale_shape[-1] == 0:
+        groups = scale_shape[-1]
+    else:
+        raise ValueError(
+            f"its scale {scale_shape} is no per-tensor, per-channel or per-group grid of "
+            f"{list(shape)} (compressed-tensors needs the input size a multiple of the group size)"
+        )
+    _check_zero_points(tensors.get(weight.sidecars.get("zero_point", "")), shape, bits, groups)
+    ordered = False
+    g_idx = tensors.get(weight.sidecars.get("g_idx", ""))
+    if g_idx is not None and groups > 1:
+        if g_idx.dim() != 1 or g_idx.numel() != cols or g_idx.is_floating_point():
+            raise ValueError(
+                f"its g_idx {list(g_idx.shape)} {str(g_idx.dtype).removeprefix('torch.')} is "
+                f"no integer group index for each of its {cols} input columns"
+            )
+        # compressed-tensors reads a g_idx holding -1 (never filled in) as column order
+        if not bool((g_idx == -1).any()):
+            # it sorts the columns by g_idx and cuts them in groups of `group_size`: the
+            # same as `scale[:, g_idx]` only when each group has that many columns
+            index = g_idx.to(torch.long)
+            valid = int(index.min()) >= 0 and int(index.max()) < groups
+            counts = torch.bincount(index.clamp(0, groups - 1), minlength=groups)
+            if not valid or bool((counts != cols // groups).any()):
+                raise ValueError(
+                    f"its g_idx is no activation order of {groups} groups of "
+                    f"{cols // groups} columns each"
+                )
+            ordered = True
+    return IntLayout(shape, bits, packed, groups, ordered)
+
+
+def _check_zero_points(
+    zero: torch.Tensor | None, shape: tuple[int, ...], bits: int, groups: int
+) -> None:
+    """ValueError unless `zero` (a weight's `weight_zero_point`, if any) has the shape its
+    strategy stores: one value per tensor, else one per row and group, as int8 or packed in
+    int32 words along the output dimension (compressed-tensors' `pack-quantized`)."""
+    import torch
+
+    if zero is None:
+        return
+    *lead, _ = shape
+    if groups == 0:
+        want = "one value"
+        fits = zero.numel() == 1
+    elif zero.dtype == torch.int32:
+        packed = [*lead[:-1], math.ceil(lead[-1] * bits / 32), groups]
+        want, fits = str(packed), list(zero.shape) == packed
+    else:
+        want = f"{[*lead, groups]}"
+        fits = zero.numel() == math.prod(lead) * groups
+    if not fits or zero.is_floating_point():
+        raise ValueError(
+            f"its weight_zero_point {list(zero.shape)} "
+            f"{str(zero.dtype).removeprefix('torch.')} is not the integer {want} its scales "
+            "imply"
+        )
+
+
 def dequantize(weight: QuantWeight, tensors: dict[str, torch.Tensor], dtype: str) -> torch.Tensor:
     """The dequantized value of `weight` from its stored tensors (payload and sidecars by name)."""
     payload = tensors[weight.payload]
@@ -215,13 +455,63 @@ def dequantize(weight: QuantWeight, tensors: dict[str, torch.Tensor], dtype: str
     if weight.scheme == "mxfp4-ct":
         # compressed-tensors' `[..., in/2]` bytes are gpt-oss's `[..., in/32, 16]` blocks
         return mxfp4(payload.reshape(*payload.shape[:-1], -1, 16), side["scale"], dtype)
+    if weight.scheme == "mxfp6-ct":
+        return mxfp6(payload, side["scale"], dtype)
     if weight.scheme == "mxfp8-ct":
         return mxfp8(payload.reshape(*payload.shape[:-1], -1, 32), side["scale"], dtype)
     if weight.scheme == "nvfp4":
         return nvfp4(payload, side["scale"], side["scale_2"], dtype, reciprocal=False)
     if weight.scheme == "nvfp4-ct":
         return nvfp4(payload, side["scale"], side["global"], dtype, reciprocal=True)
+    if weight.scheme == "int8-ct" or INT_CT_PACKED.fullmatch(weight.scheme):
+        layout = int_layout(
+            weight,
+            tensors,
+            list(payload.shape),
+            list(side["scale"].shape),
+            str(payload.dtype).removeprefix("torch."),
+        )
+        return int_ct(
+            payload, side["scale"], side.get("zero_point"), side.get("g_idx"), layout, dtype
+        )
     raise ValueError(f"no dequantization for scheme {weight.scheme!r}")
+
+
+def _int_shape(base: Checkpoint, weight: QuantWeight) -> list[int]:
+    """A compressed-tensors integer weight's exact shape, from its `weight_shape` (an
+    int4 row's words hold up to 8 values more than it has): its small tensors read and
+    checked now, so a weight that cannot be dequantized is refused before anything is
+    written."""
+    by_name = base.manifest.by_name
+    small = {
+        name: base.read_tensor(name)
+        for role, name in weight.sidecars.items()
+        if role in ("shape", "g_idx", "zero_point")
+    }
+    try:
+        layout = int_layout(
+            weight,
+            small,
+            list(by_name[weight.payload].shape),
+            list(by_name[weight.sidecars["scale"]].shape),
+            by_name[weight.payload].dtype or "",
+        )
+    except ValueError as why:
+        raise FormatError(
+            f"quantized weight {weight.payload!r} ({label(weight.scheme, weight.block)}) "
+            f"cannot be dequantized: {why}",
+            path=base.manifest.location,
+            fix="Dequantize it with compressed-tensors itself (transformers' "
+            "`from_pretrained(..., quantization_config=CompressedTensorsConfig("
+            "run_compressed=False))` then `save_pretrained`), or leave --dequantize out "
+            "to keep it as stored.",
+        ) from None
+    return list(layout.shape)
+
+
+def _is_int(weight: QuantWeight) -> bool:
+    """Whether `weight` is one of compressed-tensors' integer weights."""
+    return weight.scheme == "int8-ct" or INT_CT_PACKED.fullmatch(weight.scheme) is not None
 
 
 def activation_scales(weight: QuantWeight) -> list[str]:
@@ -237,10 +527,19 @@ REQUIRED = {
     "mxfp4": ("scale",),
     "mxfp8": ("scale",),
     "mxfp4-ct": ("scale",),
+    "mxfp6-ct": ("scale",),
     "mxfp8-ct": ("scale",),
     "nvfp4": ("scale", "scale_2"),
     "nvfp4-ct": ("scale", "global"),
+    "int8-ct": ("scale",),
 }
+
+
+def required(scheme: str) -> tuple[str, ...]:
+    """The sidecars a weight of `scheme` needs before it can be dequantized."""
+    if INT_CT_PACKED.fullmatch(scheme):
+        return ("scale", "shape")
+    return REQUIRED[scheme]
 
 
 class DequantizedView(Checkpoint):
@@ -302,8 +601,8 @@ def dequantized_entry(name: str, shape: list[int] | tuple[int, ...], dtype: str)
 
 
 class DequantizedCheckpoint(DequantizedView):
-    """A quantized checkpoint (FP8, MXFP4, NVFP4 weights with their scales) seen as the plain
-    checkpoint it dequantizes to.
+    """A quantized checkpoint (FP8, MXFP4, NVFP4, compressed-tensors INT4/INT8 weights with
+    their scales) seen as the plain checkpoint it dequantizes to.
 
     Every quantized weight is one entry of `dtype` and its logical shape, in the payload's
     place; its scales are gone, and its activation scales too unless `keep_activation` (what
@@ -323,7 +622,7 @@ class DequantizedCheckpoint(DequantizedView):
         keep_activation: bool = False,
     ):
         for weight in analysis.weights.values():
-            lacking = [r for r in REQUIRED[weight.scheme] if r not in weight.sidecars]
+            lacking = [r for r in required(weight.scheme) if r not in weight.sidecars]
             if lacking:
                 raise FormatError(
                     f"quantized weight {weight.payload!r} has no {', '.join(lacking)} scale, so "
@@ -343,6 +642,7 @@ class DequantizedCheckpoint(DequantizedView):
                 "lists every such scale (scale_grid). Re-export the checkpoint.",
             )
         self.analysis = analysis
+        exact = {w.output: _int_shape(base, w) for w in analysis.weights.values() if _is_int(w)}
         self.logical: dict[str, QuantWeight] = {}
         self.activation: set[str] = set()
         entries: list[Entry] = []
@@ -358,6 +658,8 @@ class DequantizedCheckpoint(DequantizedView):
                 continue
             if entry.name != weight.payload:
                 continue
+            if weight.output in exact:
+                weight = replace(weight, logical_shape=exact[weight.output])
             self.logical[weight.output] = weight
             entries.append(dequantized_entry(weight.output, weight.logical_shape, dtype))
         super().__init__(base, dtype, entries, len(self.logical))
@@ -436,6 +738,11 @@ class BlockDequantizedCheckpoint(DequantizedView):
         return self.base.files_of(name)
 
 
+#: sidecar roles that hold no scale (compressed-tensors' integer zero points, group order
+#: and logical shape): `scale_value_problems` leaves them alone (a zero point of 0 is right)
+_NOT_SCALES = ("zero_point", "g_idx", "shape", "input_zero_point")
+
+
 def scale_value_problems(checkpoint: Checkpoint, analysis: QuantAnalysis) -> list[Problem]:
     """`verify --deep`: every scale finite and positive; global-scale conventions plausible.
 
@@ -449,6 +756,8 @@ def scale_value_problems(checkpoint: Checkpoint, analysis: QuantAnalysis) -> lis
     where = checkpoint.manifest.location
     for weight in analysis.weights.values():
         for role, name in weight.sidecars.items():
+            if role in _NOT_SCALES:
+                continue
             tensor = checkpoint.read_tensor(name)
             if tensor.dtype == torch.uint8 or tensor.dtype == getattr(
                 torch, "float8_e8m0fnu", None

@@ -6,6 +6,7 @@ is wrong with them; `analyse` runs them over every tensor, then the orphan and c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -28,11 +29,6 @@ from .schemes import (
     BNB_4BIT_SUFFIXES,
     BNB_8BIT,
     BNB_8BIT_SUFFIXES,
-    CT_INT,
-    CT_INT_SUFFIXES,
-    CT_MXFP6,
-    CT_PACKED,
-    CT_PACKED_SUFFIXES,
     FP8,
     PACKED_REQUIRED,
     PACKED_SCHEMES,
@@ -43,15 +39,17 @@ from .schemes import (
     QuantConfig,
     QuantWeight,
     config_families,
+    ct_weight_args,
     entry_parameters,
     ignored,
+    label,
     read_config,
 )
 
 #: the dtypes of every payload a recogniser claims (FP8, packed FP4 and MX blocks in uint8)
 _PAYLOAD_DTYPES = FP8 | {"uint8"}
 #: the name endings `_packed` looks at: any other name is passed over at C speed (#30)
-_PACKED_ENDINGS = (".qweight", ".SCB", ".weight_packed", ".weight_scale", *BNB_4BIT_STATES)
+_PACKED_ENDINGS = (".qweight", ".SCB", ".weight_packed", *BNB_4BIT_STATES)
 #: activation scales a weight may carry (kept with it)
 _ACTIVATION = {"input": ".input_scale", "input_global": ".input_global_scale"}
 
@@ -107,7 +105,7 @@ def analyse_tensors(
 def _packed(out: QuantAnalysis, tensors: Mapping[str, TensorFacts], config: QuantConfig) -> None:
     """Modules of a packed scheme ckpt does not dequantize: GPTQ, AWQ (a `.qweight` where the
     config declares the scheme, or beside its `.qzeros`: no other checkpoint names tensors
-    so), and bitsandbytes (a `.weight` beside its `quant_state.bitsandbytes__*`, or an int8
+    so) and bitsandbytes (a `.weight` beside its `quant_state.bitsandbytes__*`, or an int8
     `.weight` beside its `SCB`)."""
     method = (config.method or "").lower()
     declared = PACKED_SCHEMES.get(method)
@@ -125,18 +123,6 @@ def _packed(out: QuantAnalysis, tensors: Mapping[str, TensorFacts], config: Quan
             module, scheme, suffixes = name[: -len(state)], BNB_4BIT, BNB_4BIT_SUFFIXES
         elif name.endswith(".SCB"):
             module, scheme, suffixes = name[: -len(".SCB")], BNB_8BIT, BNB_8BIT_SUFFIXES
-            if _dtype(tensors, module + ".weight") != "int8":
-                continue
-        elif name.endswith(".weight_packed"):
-            module, scheme, suffixes = name[: -len(".weight_packed")], CT_PACKED, CT_PACKED_SUFFIXES
-            payload = ".weight_packed"
-            mx = _ct_mx_packed(tensors, module, config)
-            if mx == CT_MXFP6:
-                scheme = CT_MXFP6
-            elif mx is not None or not _ct_int_packed(tensors, module, config):
-                continue
-        elif name.endswith(".weight_scale"):
-            module, scheme, suffixes = name[: -len(".weight_scale")], CT_INT, CT_INT_SUFFIXES
             if _dtype(tensors, module + ".weight") != "int8":
                 continue
         else:
@@ -187,7 +173,7 @@ def _ct_mx_packed(
     tensors: Mapping[str, TensorFacts], module: str, config: QuantConfig
 ) -> str | None:
     """Which of compressed-tensors' MX formats `module.weight_packed` is: `mxfp4-ct` (two E2M1
-    codes a byte), `CT_MXFP6` (four 6-bit codes in three bytes), None when it is none (its
+    codes a byte), `mxfp6-ct` (four E2M3 codes in three bytes), None when it is none (its
     scale is no E8M0 exponent). The config's format says which; without it, the bytes per
     group of 32 values do (16 or 24)."""
     packed = tensors.get(module + ".weight_packed")
@@ -198,12 +184,12 @@ def _ct_mx_packed(
     if algo == "mxfp4-pack-quantized":
         return "mxfp4-ct"
     if algo == "mxfp6-pack-quantized":
-        return CT_MXFP6
+        return "mxfp6-ct"
     if scale is None or scale[DTYPE] not in SCALE_DTYPES["mx_scale"]:
         return None
     packed_shape, scale_shape = list(packed[SHAPE]), list(scale[SHAPE])
     if packed_shape and scale_shape and packed_shape[-1] == 24 * scale_shape[-1]:
-        return CT_MXFP6
+        return "mxfp6-ct"
     if packed_shape and scale_shape and packed_shape[-1] == 16 * scale_shape[-1]:
         return "mxfp4-ct"
     return None
@@ -263,6 +249,13 @@ def _recognise(r: _Recognition, name: str, tensor: TensorFacts) -> None:
     if not name.endswith(".weight"):
         return
     module = name[: -len(".weight")]
+    if (
+        tensor[DTYPE] == "int8"
+        and module + ".weight_scale" in r.checks.tensors
+        and module not in r.checks.out.packed
+    ):
+        _int_ct(r, name, module, packed=False)
+        return
     if tensor[DTYPE] in FP8:
         _fp8(r, name, module, tensor)
         return
@@ -312,15 +305,17 @@ def _mx(r: _Recognition, name: str, tensor: TensorFacts) -> None:
 
 
 def _mx_ct(r: _Recognition, name: str, module: str, scheme: str, scale: str) -> None:
-    """MXFP4 / MXFP8 as compressed-tensors writes them: `weight_packed` uint8 `[..., in/2]`
-    (two E2M1 codes a byte, low nibble first) or an FP8 `weight` `[..., in]`, with an E8M0
+    """MXFP4 / MXFP6 / MXFP8 as compressed-tensors writes them: `weight_packed` uint8
+    `[..., in/2]` (two E2M1 codes a byte, low nibble first) or `[..., in*3/4]` (four E2M3
+    codes in three bytes, little-endian), or an FP8 `weight` `[..., in]`, with an E8M0
     `weight_scale` `[..., in/32]` (uint8 exponents): gpt-oss's MX, under other names."""
     ck, tensors = r.checks, r.checks.tensors
     shape = list(tensors[name][SHAPE])
     if not shape:
         return
-    per_byte = 2 if scheme == "mxfp4-ct" else 1
-    logical = [*shape[:-1], shape[-1] * per_byte]
+    # values a byte: two E2M1 codes (MXFP4), four E2M3 codes in three bytes (MXFP6), one FP8
+    values, per_bytes = {"mxfp4-ct": (2, 1), "mxfp6-ct": (4, 3)}.get(scheme, (1, 1))
+    logical = [*shape[:-1], shape[-1] * values // per_bytes]
     weight = QuantWeight(
         module=module,
         scheme=scheme,
@@ -337,7 +332,7 @@ def _mx_ct(r: _Recognition, name: str, module: str, scheme: str, scale: str) -> 
         return
     got = list(tensors[scale][SHAPE])
     want = [*logical[:-1], logical[-1] // 32]
-    if logical[-1] % 32 or got != want:
+    if logical[-1] % 32 or shape[-1] % per_bytes or got != want:
         ck.grid_problem(name, scale, got, f"{want} (one per 32 values)")
     ck.check_dtype(name, {"scale": scale}, {"scale": "mx_scale"})
     ck.check_dtype(name, weight.sidecars, {"input_global": "global"})
@@ -350,12 +345,15 @@ def _nvfp4_ct(r: _Recognition, name: str, tensor: TensorFacts) -> None:
     module = name[: -len(".weight_packed")]
     shape = list(tensor[SHAPE])
     mx = _ct_mx_packed(tensors, module, r.config)
-    if mx == "mxfp4-ct" and len(shape) >= 2:
+    if mx is not None and len(shape) >= 2:
         # stacked experts `[E, out, in/2]` too: one `[out, in/2]` weight each
-        _mx_ct(r, name, module, "mxfp4-ct", module + ".weight_scale")
+        _mx_ct(r, name, module, mx, module + ".weight_scale")
+        return
+    if mx is None and _ct_int_packed(tensors, module, r.config):
+        _int_ct(r, name, module, packed=True)
         return
     if mx is not None or tensor[DTYPE] != "uint8" or len(shape) != 2:
-        return  # MXFP6 (recognised as packed, not dequantized), or no NVFP4 weight
+        return  # no NVFP4 weight
     sidecars = ck.optional(module, {"scale": ".weight_scale", "global": ".weight_global_scale"})
     scale = sidecars.get("scale")
     if (
@@ -387,6 +385,76 @@ def _nvfp4_ct(r: _Recognition, name: str, tensor: TensorFacts) -> None:
             "with ModelOpt's weight_scale_2; the two global scales are reciprocals "
             "of each other",
             "Keep one convention per checkpoint; re-export it.",
+        )
+    ck.claim(weight)
+
+
+#: a compressed-tensors integer weight's sidecars: role -> name suffix
+_INT_CT_SIDECARS = {
+    "scale": ".weight_scale",
+    "zero_point": ".weight_zero_point",
+    "g_idx": ".weight_g_idx",
+    "shape": ".weight_shape",
+    **_ACTIVATION,
+    "input_zero_point": ".input_zero_point",
+}
+
+
+def _int_ct(r: _Recognition, name: str, module: str, *, packed: bool) -> None:
+    """compressed-tensors' integer weights: `pack-quantized` (`weight_packed` int32 words,
+    `num_bits` values packed densely, 32 values in `num_bits` words, with `weight_shape`) or
+    `int-quantized` (an int8 `weight`), each with `weight_scale` (per tensor `[1]`, per
+    channel `[out, 1]` or per group `[out, in/group]`), `weight_zero_point` when asymmetric,
+    `weight_g_idx` under activation ordering. The bits and group size come from the config
+    where its groups agree; the exact input size of a packed weight is its `weight_shape`'s
+    value, which dequantization reads (here: the scales' grid, else the packed width)."""
+    ck, tensors = r.checks, r.checks.tensors
+    shape = list(tensors[name][SHAPE])
+    if len(shape) < 2:
+        return
+    declared_bits, declared_group = ct_weight_args(r.config.raw)
+    bits = (declared_bits or 4) if packed else 8
+    sidecars = ck.optional(module, _INT_CT_SIDECARS)
+    if not packed:
+        sidecars.pop("shape", None)
+    scale = sidecars.get("scale")
+    scale_shape = list(tensors[scale][SHAPE]) if scale is not None else []
+    groups = scale_shape[-1] if len(scale_shape) >= 2 else 1
+    cols = shape[-1]
+    if packed:
+        cols = shape[-1] * 32 // bits
+        if (
+            groups > 1
+            and declared_group
+            and math.ceil(groups * declared_group * bits / 32) == (shape[-1])
+        ):
+            cols = groups * declared_group  # exact: the groups cover the input
+    weight = QuantWeight(
+        module=module,
+        scheme=f"int{bits}-ct-packed" if packed else "int8-ct",
+        payload=name,
+        output=module + ".weight",
+        sidecars=sidecars,
+        logical_shape=[*shape[:-1], cols],
+        block=(1, cols // groups) if groups > 1 else (1, 1),
+    )
+    if scale is None:
+        ck.missing(name, module + ".weight_scale", weight.scheme)
+    else:
+        per_tensor = math.prod(scale_shape) == 1 and len(scale_shape) <= 1
+        if not per_tensor and (
+            scale_shape[:-1] != shape[:-1] or groups < 1 or (not packed and cols % groups)
+        ):
+            want = f"[1], {[*shape[:-1], 1]} or {[*shape[:-1], 'in/group']}"
+            ck.grid_problem(name, scale, scale_shape, want)
+        ck.check_dtype(name, {"scale": scale}, {"scale": "scale"})
+    if packed and "shape" not in sidecars:
+        ck.add(
+            "missing_scale",
+            name,
+            f"quantized weight {name!r} ({label(weight.scheme)}) has no "
+            f"{module + '.weight_shape'!r}: its codes cannot be read without it",
+            "Fetch or re-export the shard holding it; do not load this checkpoint.",
         )
     ck.claim(weight)
 

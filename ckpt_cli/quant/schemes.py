@@ -50,10 +50,14 @@ LABELS = {
     "mxfp4": "MXFP4 (groups of 32)",
     "mxfp8": "MXFP8 (groups of 32)",
     "mxfp4-ct": "MXFP4 compressed-tensors (groups of 32)",
+    "mxfp6-ct": "MXFP6 compressed-tensors (groups of 32)",
     "mxfp8-ct": "MXFP8 compressed-tensors (groups of 32)",
     "nvfp4": "NVFP4 ModelOpt (groups of 16)",
     "nvfp4-ct": "NVFP4 compressed-tensors (groups of 16)",
+    "int8-ct": "INT8 compressed-tensors int-quantized",
 }
+#: compressed-tensors' integer `pack-quantized` weights: `int{bits}-ct-packed` (`int4-ct-packed`)
+INT_CT_PACKED = re.compile(r"int([1-8])-ct-packed")
 #: integer-packed schemes ckpt recognises but does not dequantize (GPTQ, AWQ): per module, the
 #: name suffixes of its tensors; a `--dtype` cast never touches them (their scales are
 #: float16 by the kernels' contract) and a shard split never separates them
@@ -80,9 +84,7 @@ BNB_4BIT_SUFFIXES = (
     *BNB_4BIT_STATES,
 )
 BNB_8BIT_SUFFIXES = (".weight", ".SCB", ".weight_format")
-#: compressed-tensors' integer formats: int4/int8 `pack-quantized` (`weight_packed` int32
-#: words, or uint8 bytes whose scale is no FP8 group scale) and `int-quantized` (an int8
-#: `weight` beside its `weight_scale`); ckpt does not dequantize them
+#: compressed-tensors' `weight_packed` tensors (int4/int8 `pack-quantized`, NVFP4, MXFP4/6)
 CT_PACKED_SUFFIXES = (
     ".weight_packed",
     ".weight_scale",
@@ -90,19 +92,6 @@ CT_PACKED_SUFFIXES = (
     ".weight_g_idx",
     ".weight_shape",
 )
-CT_INT_SUFFIXES = (
-    ".weight",
-    ".weight_scale",
-    ".weight_zero_point",
-    ".weight_g_idx",
-    ".input_scale",
-    ".input_zero_point",
-)
-CT_PACKED = "compressed-tensors pack-quantized"
-#: compressed-tensors' MXFP6 (`mxfp6-pack-quantized`: `weight_packed` uint8, four 6-bit codes
-#: in three bytes, with an E8M0 `weight_scale` per 32 values): recognised, not dequantized
-CT_MXFP6 = "compressed-tensors mxfp6-pack-quantized"
-CT_INT = "compressed-tensors int-quantized"
 #: how a packed scheme is named where the config declares none
 BNB_4BIT = "bitsandbytes 4-bit"
 BNB_8BIT = "bitsandbytes 8-bit"
@@ -114,9 +103,6 @@ PACKED_REQUIRED = {
     "GPTQ/AWQ": (".scales",),
     BNB_4BIT: (".weight.absmax", ".weight.quant_map"),
     BNB_8BIT: (".SCB",),
-    CT_PACKED: (".weight_scale", ".weight_shape"),
-    CT_MXFP6: (".weight_scale",),
-    CT_INT: (".weight_scale",),
 }
 #: config files read next to the weights (small JSON; larger is not a config)
 CONFIG_FILES = ("config.json", "hf_quant_config.json")
@@ -338,6 +324,24 @@ def _block_size(value: Any) -> list[int] | None:
     return None
 
 
+def unread_block_sizes(raw: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The block sizes a quantization section gives that are no block size (`[0, 0]`, one
+    number, a string): (the setting's path in the section, its value). `read_config` takes
+    each for "no block size said", and the scales' grid decides; loaders follow the config,
+    so this is said (`check_config`), never passed over without a word."""
+    out: list[tuple[str, Any]] = []
+    given = raw.get("weight_block_size")
+    if given is not None and _block_size(given) is None:
+        out.append(("weight_block_size", given))
+    groups = raw.get("config_groups")
+    for name, group in groups.items() if isinstance(groups, dict) else ():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        given = weights.get("block_structure") if isinstance(weights, dict) else None
+        if given is not None and _block_size(given) is None:
+            out.append((f"config_groups.{name}.weights.block_structure", given))
+    return out
+
+
 def read_config(storage: Storage) -> QuantConfig:
     """The quantization the checkpoint's config files declare (an empty config when none)."""
     hf_config, modelopt_config = CONFIG_FILES
@@ -424,22 +428,36 @@ def config_families(config: QuantConfig) -> set[str] | None:
     if method == "compressed-tensors":
         if algo == "nvfp4-pack-quantized":
             return {"nvfp4-ct"}
-        if algo in ("float-quantized", "naive-quantized"):
+        if algo == "float-quantized":
             return {"fp8"}
-        if algo in ("mxfp4-pack-quantized", "mxfp8-quantized"):
+        if algo == "naive-quantized":
+            return {"fp8", "int-ct"}
+        if algo in ("pack-quantized", "int-quantized"):
+            return {"int-ct"}
+        if algo in ("mxfp4-pack-quantized", "mxfp6-pack-quantized", "mxfp8-quantized"):
             return {"mx"}
         if algo == "mixed-precision":
-            return {"nvfp4-ct", "fp8", "mx"}
+            return {"nvfp4-ct", "fp8", "mx", "int-ct"}
         return None
     return None
 
 
 def scheme_family(scheme: str) -> str:
-    return "fp8" if scheme.startswith("fp8") else "mx" if scheme.startswith("mx") else scheme
+    if scheme.startswith("fp8"):
+        return "fp8"
+    if scheme.startswith("mx"):
+        return "mx"
+    return "int-ct" if scheme.startswith("int") else scheme
 
 
 def label(scheme: str, block: tuple[int, int] | None = None) -> str:
-    """The human label of a scheme (`FP8 block 128x128`)."""
+    """The human label of a scheme (`FP8 block 128x128`, `INT4 compressed-tensors
+    pack-quantized (groups of 128)`)."""
+    packed = INT_CT_PACKED.fullmatch(scheme)
+    if packed is not None or scheme == "int8-ct":
+        text = f"INT{packed[1]} compressed-tensors pack-quantized" if packed else LABELS[scheme]
+        # an integer weight's `block` is (1, group size) for the group strategy, else (1, 1)
+        return text + (f" (groups of {block[1]})" if block and block[1] > 1 else "")
     text = LABELS[scheme].format(block=f"{block[0]}x{block[1]}" if block else "")
     return text.rstrip()
 
@@ -498,12 +516,11 @@ def _packed_parameters(module: str, analysis: QuantAnalysis, tensors: Mapping[st
     """The logical values of a packed module, from its payload's stored size."""
     scheme = analysis.packed_scheme[module]
     bits = analysis.config.raw.get("bits") or analysis.config.raw.get("w_bit") or 4
-    qweight = tensors.get(module + ".qweight") or tensors.get(module + ".weight_packed")
+    qweight = tensors.get(module + ".qweight")
     codes = tensors.get(module + ".weight")
-    words = {CT_PACKED: _ct_bits(analysis.config.raw), CT_MXFP6: 6}.get(scheme, bits)
-    if qweight is not None and isinstance(words, int) and 0 < words <= 32:
+    if qweight is not None and isinstance(bits, int) and 0 < bits <= 32:
         # words of `32 / bits` values each (GPTQ packs along in, AWQ along out)
-        return qweight.nbytes * 8 // words
+        return qweight.nbytes * 8 // bits
     if codes is not None:
         # bitsandbytes: two 4-bit codes a byte, or one int8 value each
         return codes.nbytes * 2 if scheme == BNB_4BIT else codes.numel
@@ -571,17 +588,25 @@ def summarise(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary:
     )
 
 
-def _ct_bits(raw: dict[str, Any]) -> int:
-    """The weights' `num_bits` of a compressed-tensors config (its groups agreeing), else 4."""
+def ct_weight_args(raw: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The weights' `num_bits` and `group_size` of a compressed-tensors config, each None
+    unless every config group says the same positive integer (a mixed-precision model's
+    groups differ: the tensors tell each weight's)."""
     groups = raw.get("config_groups")
-    found = [
-        g["weights"].get("num_bits")
+    weights = [
+        g["weights"]
         for g in (groups.values() if isinstance(groups, dict) else [])
         if isinstance(g, dict) and isinstance(g.get("weights"), dict)
     ]
-    # compared by their JSON text: a hostile config's `num_bits` may be a list (unhashable)
-    bits = found[0] if len({json.dumps(b) for b in found}) == 1 else None
-    return bits if isinstance(bits, int) and not isinstance(bits, bool) else 4
+
+    def agreed(key: str) -> int | None:
+        # compared by their JSON text: a hostile config's value may be a list (unhashable)
+        found = [w.get(key) for w in weights]
+        value = found[0] if len({json.dumps(v) for v in found}) == 1 else None
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        return value if ok else None
+
+    return agreed("num_bits"), agreed("group_size")
 
 
 def without_quantization(config: dict[str, Any]) -> dict[str, Any]:

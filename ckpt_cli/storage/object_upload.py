@@ -14,7 +14,9 @@ part its CRC32 (cheap: ISA-L's), and the store refuses any body that does not ma
 is computed. A store that does not refuse the wrong checksum (moto, some S3-compatible
 servers) gets `Content-MD5` with each body, and the ETag of its reply (MD5 of the bytes it
 received) is compared with the MD5 of the bytes sent; a part there also carries the CRC32
-botocore would otherwise compute with zlib (`crc32_by_default`). A file under `SINGLE_PUT_MAX` bytes goes up in one PUT; a larger one as a multipart upload
+botocore would otherwise compute with zlib (`crc32_by_default`), and a single PUT's SHA-256
+for the manifest is the one botocore signs over plain HTTP (`SignedPayloads`), not a second
+pass over the bytes. A file under `SINGLE_PUT_MAX` bytes goes up in one PUT; a larger one as a multipart upload
 of `UPLOAD_BLOCK` parts, its parts sent side by side in a shared pool while the file is still
 being read and hashed in order. Memory: the bytes read and not yet sent are bounded by
 `budget` (two `UPLOAD_BLOCK`s per job), whatever the file sizes.
@@ -30,12 +32,14 @@ import base64
 import contextlib
 import functools
 import hashlib
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from ..faults import close_pool, io_failure, naming
 from .crc import crc32_function
@@ -94,6 +98,72 @@ def _crc32(data: bytes) -> str:
     return _b64(crc32_function()(data, 0).to_bytes(4, "big"))
 
 
+_HEX_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class SignedPayloads:
+    """The SHA-256 botocore signs for the body of a PUT, taken instead of hashing the body a
+    second time.
+
+    SigV4 can sign an S3 payload: botocore then hashes the body with SHA-256 and sends it as
+    `X-Amz-Content-SHA256`, which S3 checks against the body. It always does over plain
+    HTTP; over TLS a Content-MD5 makes it sign none (an unsigned payload). A single PUT's
+    body is the whole file, so a signed hash is the digest a SHA-256 manifest records:
+    hashing the bytes again for the manifest doubled the work.
+
+    A `before-send` handler on the client (registered once, harmless to its other callers:
+    it looks only at the PUTs announced with `expect`) notes the signed hash of each
+    announced request, matched by its object key, body length and a checksum header's value;
+    a request that carries none (an unsigned payload, a client made since) leaves the caller
+    to hash the bytes itself.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: (key, body length, header, its value) -> the signed SHA-256 once seen, else None
+        self._wanted: dict[tuple[str, int, str, str], str | None] = {}
+
+    def attach(self, client: Any) -> None:
+        """Listen on `client` (botocore's, or aiobotocore's) for the PUTs it sends."""
+        client.meta.events.register(
+            "before-send.s3.PutObject", self._seen, unique_id=f"ckpt-signed-payloads-{id(self)}"
+        )
+
+    def expect(self, key: str, length: int, header: str, value: str) -> None:
+        """Announce a PUT of `length` bytes to `key` sent with this checksum header."""
+        with self._lock:
+            self._wanted[(key, length, header, value)] = None
+
+    def take(self, key: str, length: int, header: str, value: str) -> str | None:
+        """The hex SHA-256 botocore signed for that PUT, or None where it signed none."""
+        with self._lock:
+            return self._wanted.pop((key, length, header, value), None)
+
+    def _seen(self, request: Any, **_: Any) -> None:
+        headers = request.headers
+        signed = _text(headers.get("X-Amz-Content-SHA256"))
+        length = _text(headers.get("Content-Length"))
+        if signed is None or not _HEX_SHA256.fullmatch(signed):
+            return  # an unsigned or streamed payload: the caller hashes the bytes
+        if length is None or not length.isdigit():
+            return
+        path = unquote(urlsplit(request.url).path)
+        with self._lock:
+            for wanted in self._wanted:
+                key, size, header, value = wanted
+                if (
+                    size == int(length)
+                    and _text(headers.get(header)) == value
+                    and path.endswith(f"/{key}")
+                ):
+                    self._wanted[wanted] = signed
+                    return
+
+
+def _text(value: str | bytes | None) -> str | None:
+    return value.decode("ascii", "replace") if isinstance(value, bytes) else value
+
+
 def read_for_upload(src: Any, size: int) -> bytes:
     """Up to `size` bytes of the local file being uploaded. An OS error there (a bad sector)
     is that file's, not the store's: an `IOFailure` (exit 74) naming it."""
@@ -139,6 +209,9 @@ class ObjectUploader:
         #: the question asked ahead of the first upload (`ask_early`; `close` waits for it)
         self._asking: threading.Thread | None = None
         self._default_crc32: bool | None = None
+        #: the SHA-256 botocore signs for a PUT's body (plain HTTP), by request
+        self._signed = SignedPayloads()
+        self._listening: Any = None
 
     def ask_early(self) -> None:
         """Ask the checksum question now, in the background (once): the first uploads read
@@ -305,6 +378,8 @@ class ObjectUploader:
     def _put(self, data: bytes, target: str, hasher: Any, *, sha256: bool) -> UploadedFile:
         """One PUT of `data`, with the checksum the store checks, or its Content-MD5."""
         bucket, key, _ = self.fs.split_path(target)
+        if sha256 and self._checks is False:  # known by then (else hashed while asked)
+            return self._put_unchecked(data, target, hasher)
         hasher.update(data)
         # asked once the bytes are hashed: the answer, on its way since `ask_early`, decides
         # only whether an MD5 is computed too
@@ -330,6 +405,41 @@ class ObjectUploader:
             _etag(reply),
             checked=checks,
         )
+
+    def _put_unchecked(self, data: bytes, target: str, hasher: Any) -> UploadedFile:
+        """One PUT of `data`, for a SHA-256 manifest, to a store known to check no
+        `x-amz-checksum-*`: sent with its Content-MD5 (the reply's ETag must be it), its
+        SHA-256 taken from the request's signature where botocore signs the payload (plain
+        HTTP: `SignedPayloads`), hashed here only where it signs none. (To a store that
+        checks checksums the SHA-256 goes in `x-amz-checksum-sha256`, so it is needed before
+        the request is made: `_put`.)"""
+        bucket, key, _ = self.fs.split_path(target)
+        self._listen()
+        md5 = hashlib.md5(data).digest()
+        sent = {"ContentMD5": _b64(md5)}
+        if self.crc32_by_default():
+            # else botocore adds a CRC32 of its own, with zlib's slower pass
+            sent["ChecksumCRC32"] = _crc32(data)
+        self._signed.expect(key, len(data), "Content-MD5", sent["ContentMD5"])
+        self._pace(len(data))
+        try:
+            reply = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **sent)
+        finally:
+            signed = self._signed.take(key, len(data), "Content-MD5", sent["ContentMD5"])
+        self.fs.invalidate_cache(target)
+        _same_checksums(sent, reply, target)
+        if signed is None:
+            hasher.update(data)
+            signed = hasher.hexdigest()
+        return UploadedFile(len(data), signed, md5.hex(), _etag(reply), checked=False)
+
+    def _listen(self) -> None:
+        """`SignedPayloads` listens on s3fs's current client (once per client)."""
+        client = self.fs.s3
+        with self._lock:
+            if self._listening is not client:
+                self._signed.attach(client)
+                self._listening = client
 
     def crc32_by_default(self) -> bool:
         """Whether botocore adds a CRC32 of its own to a body sent without an

@@ -111,7 +111,8 @@ def convert(
         bool,
         typer.Option(
             "--dequantize",
-            help="Write FP8 / MXFP4 / NVFP4 weights and GGUF blocks dequantized (to --dtype or "
+            help="Write FP8 / MXFP4 / NVFP4 / INT4 / INT8 weights and GGUF blocks dequantized "
+            "(to --dtype or "
             "the model's "
             "dtype) and drop their scales and the config's quantization section.",
         ),

@@ -67,7 +67,8 @@ def diff(
         bool,
         typer.Option(
             "--dequantize",
-            help="Compare FP8 / MXFP4 / NVFP4 weights and GGUF blocks by their dequantized values, "
+            help="Compare FP8 / MXFP4 / NVFP4 / INT4 / INT8 weights and GGUF blocks by their "
+            "dequantized values, "
             "with "
             "per-weight error statistics (max abs, relative RMS).",
         ),

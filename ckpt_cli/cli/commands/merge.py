@@ -1,4 +1,5 @@
-"""`ckpt merge`: fold a LoRA (or DoRA) adapter into its base model, one weight at a time."""
+"""`ckpt merge`: fold a LoRA (DoRA, IA³, LoHa, LoKr) adapter into its base model, one weight at
+a time."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def merge(
     adapter: Annotated[
         str,
         typer.Argument(
-            help="The PEFT LoRA or DoRA adapter folder (adapter_config.json + adapter_model.*).",
+            help="The PEFT LoRA, DoRA, IA³, LoHa or LoKr adapter folder (adapter_config.json + adapter_model.*).",
             show_default=False,
         ),
     ],
@@ -45,7 +46,7 @@ def merge(
     ] = False,
     json_output: JsonOpt = False,
 ) -> None:
-    """Merge a LoRA or DoRA ADAPTER into BASE and write the merged model to DEST.
+    """Merge a LoRA, DoRA, IA³, LoHa or LoKr ADAPTER into BASE and write the merged model to DEST.
 
     Streams one base weight at a time (peft's merge_and_unload holds the whole model) and
     computes each merged weight as peft does, bit for bit; the output keeps the base's file

@@ -133,7 +133,10 @@ def sync(
     jobs: Annotated[
         int | None,
         typer.Option(
-            "--jobs", min=1, help="Pushing: files of a checkpoint uploaded at once (default 8)."
+            "--jobs",
+            min=1,
+            help="Files of a checkpoint uploaded (pushing) or fetched (pulling) at once "
+            "(default 8).",
         ),
     ] = None,
     json_output: JsonOpt = False,

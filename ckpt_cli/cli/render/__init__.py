@@ -17,6 +17,8 @@ from ...errors import CkptError
 from .terminal import CLOSED_PIPE_EXIT as CLOSED_PIPE_EXIT
 from .terminal import UNWRAPPED_WIDTH as UNWRAPPED_WIDTH
 from .terminal import closed_pipe_exit as closed_pipe_exit
+from .terminal import one_line as one_line
+from .terminal import one_line_message as one_line_message
 from .terminal import safe_text as safe_text
 from .terminal import writes_utf8
 
@@ -45,7 +47,7 @@ def emit_early_interruption(error: CkptError, argv: list[str]) -> None:
     try:
         if json_requested(argv):
             _print_json(envelope(command, None, error.exit_code, error))
-        sys.stderr.write(f"{_prog(command)}: error: {safe_text(error.message)}\n")
+        sys.stderr.write(f"{_prog(command)}: error: {safe_text(one_line_message(error.message))}\n")
     except (OSError, ValueError, AttributeError):
         pass  # a stream closed or gone: the exit status still says it
 
@@ -127,7 +129,8 @@ def warn(command: str, message: str) -> None:
     from rich.markup import escape
 
     _console("stderr").print(
-        f"[yellow]{_prog(command)}: warning:[/] {escape(message)}", highlight=False
+        f"[yellow]{_prog(command)}: warning:[/] {escape(one_line_message(message))}",
+        highlight=False,
     )
 
 
@@ -252,7 +255,7 @@ def emit_error(
         _print_json(envelope(command, None, code, error))
     # the message is plain text: brackets in it (`ckpt-cli[fast]`) are not markup
     _console("errors").print(
-        f"[bold red]{_prog(command)}: error:[/] {escape(error.message)}",
+        f"[bold red]{_prog(command)}: error:[/] {escape(one_line_message(error.message))}",
         markup=True,
         highlight=False,
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...ops.convert.run import ConvertReport
-from . import human_bytes, stdout
+from . import human_bytes, one_line, stdout
 from .left_out import render_not_in_output
 from .ranks import render_ranks
 
@@ -40,7 +40,7 @@ def render_convert(report: ConvertReport) -> None:
         stdout.print(
             f"  --dtype applies to unquantized tensors: {report.quantized_kept} tensors of "
             "quantized weights (packed values and scales) kept as stored (--dequantize "
-            "converts FP8, MXFP4 and NVFP4 weights)"
+            "converts FP8, MXFP4, NVFP4 and compressed-tensors INT4/INT8 weights)"
         )
     render_architecture(report)
     if (
@@ -55,7 +55,9 @@ def render_convert(report: ConvertReport) -> None:
         stdout.print(f"  config.json says {report.config_dtype}, the dtype the weights {done}")
     stdout.print("  [green]structure checked before publishing[/]")
     if report.extras:
-        stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)
+        stdout.print(
+            f"  carried: {', '.join(map(one_line, report.extras))}", highlight=False, markup=False
+        )
     if report.serving_files:
         stdout.print(
             f"  from {report.config_source}: config.json, {', '.join(report.serving_files)}",
@@ -83,16 +85,18 @@ def render_plan(report: ConvertReport) -> None:
     render_architecture(report)
     for f in report.files:
         size = human_bytes(f.size) if f.size is not None else "size decided when written"
-        stdout.print(f"  file  {f.path}  {size}  ({f.entries} entries)", markup=False)
+        stdout.print(f"  file  {one_line(f.path)}  {size}  ({f.entries} entries)", markup=False)
     if report.extras:
-        stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)
+        stdout.print(
+            f"  carried: {', '.join(map(one_line, report.extras))}", highlight=False, markup=False
+        )
     how = {m.name: m.transform for m in report.architecture.mapped} if report.architecture else {}
     for e in report.entries:
         shape = "[" + ", ".join(str(d) for d in e.shape) + "]"
         transform = how.get(e.name, "rename")
-        renamed = f"  ({transform} from {e.source})" if e.source != e.name else ""
+        renamed = f"  ({transform} from {one_line(e.source)})" if e.source != e.name else ""
         stdout.print(
-            f"  entry {e.name}  {e.dtype or e.kind}  {shape}  {human_bytes(e.nbytes)}{renamed}",
+            f"  entry {one_line(e.name)}  {e.dtype or e.kind}  {shape}  {human_bytes(e.nbytes)}{renamed}",
             markup=False,
         )
     stdout.print("  nothing was written (--dry-run)")

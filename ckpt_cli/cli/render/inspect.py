@@ -13,7 +13,7 @@ from ...models import Entry
 from ...ops.inspect import InspectReport
 from ...ops.shared.tree import TreeNode
 from ...sizes import counted
-from . import human_bytes, human_count, safe_text, shape_str, stderr, stdout
+from . import human_bytes, human_count, one_line, safe_text, shape_str, stderr, stdout
 
 #: the tree stops unfolding below this many lines; --list shows everything
 MAX_TREE_CHILDREN = 40
@@ -26,17 +26,21 @@ def _label(node: TreeNode) -> str:
             for n, word in ((node.tensors, "tensor"), (node.objects, "object"))
             if n
         ]
-        return f"[bold]{node.name}[/]  [dim]{', '.join(counts)}, {human_bytes(node.nbytes)}[/]"
+        return f"[bold]{one_line(node.name)}[/]  [dim]{', '.join(counts)}, {human_bytes(node.nbytes)}[/]"
     copies = node.tensors + node.objects
     if node.objects and not node.tensors:
         # a non-tensor leaf (step counter, hyper-parameter, RNG state): its Python type
         count = f" ×{copies}" if copies > 1 else ""
         kind = f"object:{node.dtype}" if node.dtype else "objects"
-        return f"{node.name}  [magenta]{kind}[/]{count}  [dim]{human_bytes(node.nbytes)}[/]"
+        return (
+            f"{one_line(node.name)}  [magenta]{kind}[/]{count}  [dim]{human_bytes(node.nbytes)}[/]"
+        )
     kind = node.dtype or "mixed"
     shape = shape_str(node.shape) if node.shape is not None else "various shapes"
     count = f" ×{copies}" if copies > 1 else ""
-    return f"{node.name}  [cyan]{kind}[/] {shape}{count}  [dim]{human_bytes(node.nbytes)}[/]"
+    return (
+        f"{one_line(node.name)}  [cyan]{kind}[/] {shape}{count}  [dim]{human_bytes(node.nbytes)}[/]"
+    )
 
 
 def _add(tree: Tree, nodes: list[TreeNode]) -> None:
@@ -190,7 +194,7 @@ _LIST_COLUMNS = ("name", "kind/dtype", "shape", "bytes", "file")
 def _entry_row(e: Entry) -> tuple[str, str, str, str, str]:
     """One `--list` record: name, dtype (or object type), shape (or short value), bytes, file."""
     return (
-        e.name,
+        one_line(e.name),
         (e.dtype or "") if e.kind == "tensor" else f"object:{e.py_type or '?'}",
         shape_str(e.shape)
         if e.kind == "tensor"
@@ -198,7 +202,7 @@ def _entry_row(e: Entry) -> tuple[str, str, str, str, str]:
         if e.value is not None and len(repr(e.value)) <= 40
         else "",
         human_bytes(e.nbytes),
-        e.file or "",
+        one_line(e.file or ""),
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...ops.shared.transfer import SkippedEntry
-from . import stderr
+from . import one_line, stderr
 
 #: files, and groups of entries, named one by one; past that, counted
 MAX_LISTED = 8
@@ -18,7 +18,9 @@ def render_not_in_output(skipped: Sequence[SkippedEntry]) -> None:
     run says the same as the run it plans)."""
     left = [s for s in skipped if s.kind == "file"]
     for item in left[:MAX_LISTED]:
-        stderr.print(f"[yellow]not in the output:[/] {item.name}: {item.reason}", highlight=False)
+        stderr.print(
+            f"[yellow]not in the output:[/] {one_line(item.name)}: {item.reason}", highlight=False
+        )
     if len(left) > MAX_LISTED:
         stderr.print(f"[yellow]… {len(left) - MAX_LISTED} more files not in the output[/]")
     by_reason: dict[str, list[SkippedEntry]] = {}
@@ -32,7 +34,10 @@ def render_not_in_output(skipped: Sequence[SkippedEntry]) -> None:
         for entry in entries:
             parent = entry.name.rsplit(".", 1)[0] if "." in entry.name else entry.name
             groups.setdefault(parent, []).append(entry.name)
-        listed = [f"{name}.* ({len(n)})" if len(n) > 1 else n[0] for name, n in groups.items()]
+        listed = [
+            f"{one_line(name)}.* ({len(n)})" if len(n) > 1 else one_line(n[0])
+            for name, n in groups.items()
+        ]
         more = f", … {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
         kinds = {e.kind for e in entries}
         noun = (

@@ -17,8 +17,14 @@ def render_merge(report: MergeReport) -> None:
         f"{human_bytes(size)})  from {report.base} + {report.adapter}",
         highlight=False,
     )
+    # IA³ has neither rank nor alpha
+    numbers = "".join(
+        f" {key}={value}"
+        for key, value in (("r", report.r), ("alpha", report.lora_alpha))
+        if value is not None
+    )
     stdout.print(
-        f"  {report.adapter_type} r={report.r} alpha={report.lora_alpha}: "
+        f"  {report.adapter_type}{numbers}: "
         f"{counted(len(report.merged), 'weight')} merged, {len(report.replaced)} replaced, "
         f"{report.copied} copied unchanged",
         highlight=False,

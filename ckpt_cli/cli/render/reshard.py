@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ...ops.reshard.run import ReshardReport
 from ...sizes import counted
-from . import human_bytes, stderr, stdout
+from . import human_bytes, one_line, stderr, stdout
 from .left_out import render_not_in_output
 from .ranks import render_ranks
 
@@ -68,7 +68,7 @@ def render_reshard(report: ReshardReport) -> None:
             "copied verbatim" if report.mode == "world-size" else "training state copied unchanged"
         )
         stdout.print(
-            f"  {what}: {', '.join(report.carried)}",
+            f"  {what}: {', '.join(map(one_line, report.carried))}",
             highlight=False,
             markup=False,
         )
@@ -83,7 +83,9 @@ def render_reshard(report: ReshardReport) -> None:
             f"  per-rank file {item.path} (rank {item.rank}): {done}", highlight=False, markup=False
         )
     if report.extras:
-        stdout.print(f"  carried: {', '.join(report.extras)}", highlight=False, markup=False)
+        stdout.print(
+            f"  carried: {', '.join(map(one_line, report.extras))}", highlight=False, markup=False
+        )
     # the report's `warnings` go to stderr from `run_command`, as for every command
     if report.rules:
         stdout.print(f"  rules: {'  '.join(report.rules)}")

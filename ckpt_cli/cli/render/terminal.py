@@ -32,6 +32,21 @@ def safe_text(text: str) -> str:
     return _UNSAFE.sub(_escape_char, text)
 
 
+def one_line(name: str) -> str:
+    """`name` as one record of human output: a name holding a line break (a file or tensor
+    name, which may hold any character but `/`) is quoted as Python writes it
+    (`'notes\\nFAKE LINE.txt'`), so its second half never reads as a line of its own;
+    any other name is unchanged. JSON output keeps the real names."""
+    return repr(name) if "\n" in name or "\r" in name else name
+
+
+def one_line_message(text: str) -> str:
+    """A message (an error, a warning, a verify problem with its fix) kept on one line: a line
+    break in it comes from a name it quotes (a file may be named `a\\nb`), so it is written
+    as `\\n`, and the line's second half never reads as a record of its own."""
+    return text.replace("\n", "\\n")
+
+
 def writes_utf8(stream: TextIO) -> bool:
     """Whether `stream` encodes text as UTF-8 (so it can carry any character a name holds)."""
     encoding = stream.encoding or "utf-8"  # None: a stream of str only (closed at start)

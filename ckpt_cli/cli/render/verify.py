@@ -7,7 +7,7 @@ from rich.markup import escape
 from ...errors import with_fix
 from ...ops.verify.report import VerifyReport
 from ...sizes import counted
-from . import human_bytes, stdout
+from . import human_bytes, one_line_message, stdout
 from .ranks import render_ranks
 
 #: problems beyond this many per code are summarised (the JSON output has them all)
@@ -61,7 +61,7 @@ def render_verify(report: VerifyReport) -> None:
         tag = "[red]error[/]" if problem.severity == "error" else "[yellow]warning[/]"
         # one line per problem (fix included), never wrapped, so CI logs can be grepped
         stdout.print(
-            f"  {tag} [bold]{problem.code}[/] {escape(text)}",
+            f"  {tag} [bold]{problem.code}[/] {escape(one_line_message(text))}",
             highlight=False,
             soft_wrap=True,
         )

@@ -237,21 +237,51 @@ def load_torch_file(storage: Storage, rel: str, *, meta: bool = False) -> tuple[
     except Exception as exc:  # torch.load's error for malformed bytes may be any type
         legacy_bug = None if zipped else _legacy_loader_bug(exc)
         if legacy_bug is not None:
-            raise FormatError(
-                f"is a legacy (non-zip) torch.save file holding {legacy_bug}, which torch's "
-                "legacy loader cannot read back; ckpt reads such a file itself only on local "
-                "disk and when its tensors are plain ranges of their storages (not strided "
-                "views)",
-                path=where,
-                fix="Copy it to local disk if it is remote; else re-save it from its source in "
-                "the zip format (torch.save without _use_new_zipfile_serialization=False).",
-            ) from None
+            raise _legacy_unreadable(legacy_bug, where) from None
         raise FormatError(
             f"is not a readable torch.save file ({_first_line(str(exc))})",
             path=where,
             fix="The file is truncated or corrupt; write or fetch it again.",
         ) from None
+    if not zipped and _holds_generator(obj):
+        # torch's legacy loader sets a Generator's state from its tensor before that tensor's
+        # bytes are read: from whatever memory the allocation held. It fails on most such
+        # bytes; when they happen to form a valid state the load "succeeds" with that state,
+        # so a Generator from a legacy file is refused whatever torch.load said
+        raise _legacy_unreadable(_GENERATOR_BUG, where)
     return obj, not zipped
+
+
+def _legacy_unreadable(what: str, where: str) -> FormatError:
+    """The refusal of a legacy (non-zip) file holding `what`, which torch's legacy loader
+    cannot read back (`_legacy_loader_bug`)."""
+    return FormatError(
+        f"is a legacy (non-zip) torch.save file holding {what}, which torch's "
+        "legacy loader cannot read back; ckpt reads such a file itself only on local "
+        "disk and when its tensors are plain ranges of their storages (not strided "
+        "views)",
+        path=where,
+        fix="Copy it to local disk if it is remote; else re-save it from its source in "
+        "the zip format (torch.save without _use_new_zipfile_serialization=False).",
+    )
+
+
+def _holds_generator(obj: Any) -> bool:
+    """Whether a loaded object holds a `torch.Generator` anywhere in its dicts, lists and
+    tuples (tensors and other leaves are not looked into)."""
+    import torch
+
+    stack, seen = [obj], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Generator):
+            return True
+        if isinstance(item, (dict, list, tuple)):
+            if id(item) in seen:  # a pickle may hold a container inside itself
+                continue
+            seen.add(id(item))
+            stack.extend(item.values() if isinstance(item, dict) else item)
+    return False
 
 
 #: torch's weights_only unpickler's error for an opcode it does not implement
@@ -276,8 +306,11 @@ def _legacy_loader_bug(exc: Exception) -> str | None:
         return "a tensor of a dtype with no legacy storage class (uint16/32/64, float8...)"
     cause = exc.__cause__ if isinstance(exc, SystemError) else exc
     if "mt19937" in str(cause):
-        return "a torch.Generator (torch restores it before its state's bytes are read)"
+        return _GENERATOR_BUG
     return None
+
+
+_GENERATOR_BUG = "a torch.Generator (torch restores it before its state's bytes are read)"
 
 
 #: what torch's weights_only loader says of a DTensor before `torch.distributed.tensor` is imported

@@ -24,8 +24,9 @@ from ...models import FileInfo, Manifest, Record, Request
 from ...progress import NULL_PROGRESS, Progress
 from ...quant import QuantAnalysis
 from ...sizes import parse_size
-from ...sources.layouts import OpenedSource, folder_layout_named, open_source
-from ...sources.layouts.model_folders import Component
+from ...sources.layouts import OpenedSource, folder_layout_named
+from ...sources.layouts.model_folders import Component, saved_model_folders
+from ...sources.opening import open_source
 from ...storage.output import Destination, check_destination, resolve_destination
 from ..shared.architecture import (
     ArchitectureReport,
@@ -282,25 +283,26 @@ def convert(
                 path=src,
                 fix=f"Pick the component to map with --select, e.g. --select {example.name}.",
             )
+        # a component that is a model folder of its own, converted as that folder with
+        # every option this call was given
+        request = ConvertRequest(
+            max_shard_size=shard_size,
+            dtype=dtype,
+            include=include,
+            exclude=exclude,
+            renames=renames,
+            dcp_serialization=dcp_serialization,
+            dcp_compression=dcp_compression,
+            world_size=world_size,
+            force=force,
+            dequantize=dequantize,
+            dry_run=dry_run,
+            extras=extras,
+            config=config,
+            flavor=flavor,
+        )
         if found is not None:
-            # a diffusers pipeline / sentence-transformers folder: one component, or each,
-            # with every option this call was given
-            request = ConvertRequest(
-                max_shard_size=shard_size,
-                dtype=dtype,
-                include=include,
-                exclude=exclude,
-                renames=renames,
-                dcp_serialization=dcp_serialization,
-                dcp_compression=dcp_compression,
-                world_size=world_size,
-                force=force,
-                dequantize=dequantize,
-                dry_run=dry_run,
-                extras=extras,
-                config=config,
-                flavor=flavor,
-            )
+            # a diffusers pipeline / sentence-transformers folder: one component, or each
             if not select:
                 if config is not None:
                     raise UsageError(
@@ -313,15 +315,15 @@ def convert(
                 return _convert_components(src, dest, to, found, request, progress)
             sub = component_source(src, found[1], select)
             if sub is not None:
-                # the globs still see the names inspect shows of the whole folder
-                prefix = f"{select.rstrip('.')}."
-                named = request.model_copy(update={"match_prefix": prefix})
-                report = convert_component(sub, dest, naming or to, named, progress)
-                if include or exclude:
-                    with open_source(sub).checkpoint as part:
-                        names = [prefix + e.name for e in part.manifest.entries]
-                    report.warnings += unmatched_rules(names, include, exclude)
-                return report
+                return _convert_subfolder(sub, dest, naming or to, select, request, progress)
+        elif select and source.target is None:
+            # a model a training script's save hook wrote into a subfolder of its save (the
+            # diffusers scripts' `unet/`): converted as the model folder its library loads,
+            # its config.json and weight names kept
+            name = select.rstrip(".")
+            if name in {sub for sub, _ in saved_model_folders(set(source.files))}:
+                sub = f"{src.rstrip('/')}/{name}"
+                return _convert_subfolder(sub, dest, naming or to, select, request, progress)
     single_file, basename = output_layout(target, dest_path, shard_size)
     if single_file and naming is not None:
         raise UsageError(
@@ -781,6 +783,22 @@ def _dry_run_report(
         dry_run=True,
         warnings=warnings,
     )
+
+
+def _convert_subfolder(
+    sub: str, dest: str, to: str, select: str, request: ConvertRequest, progress: Progress
+) -> ConvertReport:
+    """`convert --select NAME` of a component that is a model folder of its own (`sub`):
+    converted as that folder, the include / exclude globs seeing the names inspect shows of
+    the whole folder (`unet.conv_in.weight`)."""
+    prefix = f"{select.rstrip('.')}."
+    named = request.model_copy(update={"match_prefix": prefix})
+    report = convert_component(sub, dest, to, named, progress)
+    if request.include or request.exclude:
+        with open_source(sub).checkpoint as part:
+            names = [prefix + e.name for e in part.manifest.entries]
+        report.warnings += unmatched_rules(names, request.include, request.exclude)
+    return report
 
 
 def convert_component(

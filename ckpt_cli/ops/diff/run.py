@@ -23,7 +23,8 @@ from ...errors import NotFoundError, UsageError
 from ...formats.base import Checkpoint
 from ...models import Entry, Record, Request
 from ...progress import NULL_PROGRESS, Progress
-from ...sources.layouts import OpenedSource, open_source
+from ...sources.layouts import OpenedSource
+from ...sources.opening import open_source
 from ..shared.selection import (
     name_chosen,
     refuse_placeholders,
@@ -615,7 +616,7 @@ def diff_with(
                     if not isinstance(refusal, UsageError):
                         raise refusal  # quantized, in a scheme ckpt does not dequantize
                 raise UsageError(
-                    "--dequantize: no quantized weight found on either side (FP8, MXFP4, NVFP4, "
+                    "--dequantize: no quantized weight found on either side (FP8, MXFP4, NVFP4, INT4/INT8, "
                     "GGUF blocks)",
                     path=a,
                     fix="Drop --dequantize; `ckpt inspect` shows what each checkpoint holds.",

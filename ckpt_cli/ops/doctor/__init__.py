@@ -36,8 +36,8 @@ from ...errors import CkptError, NotFoundError, UsageError
 from ...formats import resolve_source
 from ...formats.base import Source
 from ...models import Request
-from ...sources.layouts import open_source
 from ...sources.layouts.training import no_training_state
+from ...sources.opening import open_source
 from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, is_remote, looks_like_run, scan_run
 from . import consistency, data, modes, optimizer, points, rng, scaler, schedule, setup, weights
 from .logs import Series, from_trainer_state, jump, run_logs

@@ -9,9 +9,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ...errors import FormatError, NotFoundError
+from ...errors import FormatError, NotFoundError, UsageError
 from ...formats.base import Source
-from ...formats.names import SAFETENSORS_SUFFIX, WEIGHT_SUFFIXES, looks_like_index
+from ...formats.names import (
+    DCP_METADATA,
+    SAFETENSORS_SUFFIX,
+    WEIGHT_SUFFIXES,
+    looks_like_index,
+)
 from ...models import Entry, Record, Request
 from ...quant import sidecar_names
 from ...sources.model_files import EXTRA_SUFFIXES
@@ -208,6 +213,62 @@ def training_state_files(source: Source, checkpoint: set[str]) -> tuple[str, set
         and (rel in own or not rel.endswith(EXTRA_SUFFIXES))
     }
     return layout.name, state
+
+
+def fsdp_save_files(source: Source, repo: HubRepo) -> tuple[str, set[str], set[str]] | None:
+    """The files of an FSDP training save at SRC (accelerate `save_state`, a Trainer's
+    `last-checkpoint/`) whose weights are FSDP's own: DCP folders (`pytorch_model_fsdp_0/`,
+    beside `optimizer_0/`), `pytorch_model_fsdp{_i}.bin` (FULL_STATE_DICT) or per-rank
+    `pytorch_model_fsdp{_i}_rank{r}.bin`. Every rank's DCP file holds a piece of every tensor,
+    so such a save is fetched whole. Returns (the layout's name, the weight files, the other
+    files of the save: optimizer, scheduler, RNG, trainer state), or None when SRC is not one.
+    Config, tokenizer and card files are neither (extras); names are read, no file is."""
+    from ...sources.layouts import training_layout_of
+    from ...sources.layouts.composite import FSDP_MODEL
+
+    found = training_layout_of(source)
+    if found is None:
+        return None
+    layout, own = found
+    # a DCP folder of the save (the model's, an optimizer's): everything in it, `.metadata`
+    # included, belongs to the save; other subfolders are none of it
+    dcp = {
+        rel.split("/", 1)[0]
+        for rel in repo.files
+        if rel.count("/") == 1 and rel.endswith(f"/{DCP_METADATA}")
+    }
+
+    def in_save(rel: str) -> bool:
+        if "/" in rel:
+            return rel.split("/", 1)[0] in dcp
+        return not rel.startswith(".")
+
+    weights = {rel for rel in repo.files if rel.startswith(FSDP_MODEL) and in_save(rel)}
+    if not weights:
+        return None
+    state = {
+        rel
+        for rel in repo.files
+        if rel not in weights
+        and in_save(rel)
+        and ("/" in rel or rel in own or not rel.endswith(EXTRA_SUFFIXES))
+    }
+    return layout.name, weights, state
+
+
+def fsdp_tensors_refused(src: str) -> UsageError:
+    """Tensors picked out of an FSDP save (`fsdp_save_files`): each rank's file holds part of
+    every tensor and the optimizer's state is keyed to the whole model, so the download is of
+    the whole save; `convert --select` picks tensors from the copy."""
+    return UsageError(
+        "is an FSDP training save: its weights are FSDP's own files (DCP folders, each rank's "
+        "file a part of every tensor, or whole pytorch_model_fsdp*.bin files), which --filter, "
+        "--filter-out and --mode tensors cannot pick tensors out of; it is downloaded whole",
+        path=src,
+        fix="Download it whole (no --filter, --filter-out or --mode tensors), then pick "
+        "tensors from the copy: `ckpt convert COPY OUT --to safetensors --select model "
+        "--filter 'model.lm_head.*'` (or `--to hf --config ...` for a from_pretrained folder).",
+    )
 
 
 #: the component a training save's weights are named under by inspect, convert and diff

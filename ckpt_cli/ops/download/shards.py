@@ -32,6 +32,8 @@ from .plan import (
     DownloadReport,
     DownloadRequest,
     FileKind,
+    fsdp_save_files,
+    fsdp_tensors_refused,
     index_selection,
     no_match,
     no_safetensors,
@@ -71,7 +73,11 @@ def download_shards(
         elif not bin_indexes and TorchFormat.detect(source):
             fmt = TorchFormat
         else:
-            raise no_safetensors(src, repo)
+            fsdp = fsdp_save_files(source, repo)
+            if fsdp is None:
+                raise no_safetensors(src, repo)
+            _download_whole_save(source, storage, report, dest, asked, progress, fsdp)
+            return
     index_file: DownloadFile | None = None
     index_received = 0
     if index_rel is not None:
@@ -153,16 +159,78 @@ def download_shards(
     if narrowed:
         report.files = [f for f in report.files if f.path != index_rel]
     with staged_output(dest, force=force, progress=progress) as staging:
-        for info in report.files:
-            assert info.cache_path is not None
-            target = staging / info.path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(info.cache_path, target)
+        _copy_into(staging, report.files)
         if subset:
             assert weight_map is not None and index_rel is not None
             data = _narrowed_index(staging, weight_map, set(needed))
             (staging / index_rel).write_bytes(data)
             report.files.insert(0, _rewritten_index_info(index_rel, len(data), "rewritten"))
+
+
+def _download_whole_save(
+    source: Source,
+    storage: HubStorage,
+    report: DownloadReport,
+    dest: Destination | None,
+    asked: DownloadRequest,
+    progress: Progress,
+    save: tuple[str, set[str], set[str]],
+) -> None:
+    """An FSDP training save (`fsdp_save_files`: DCP folders or FSDP state-dict files) fetched
+    whole: its weights, its optimizer, scheduler, RNG and trainer state, and the extras, each
+    checked against the Hub, so DEST resumes as the source would. Tensor globs are refused
+    (`fsdp_tensors_refused`). The tensors are counted from the copy written (reading the
+    save's headers over the network would cost as much as its small files); a dry run or
+    `--cache-only` counts none."""
+    if asked.tensors or asked.exclude:
+        raise fsdp_tensors_refused(report.source)
+    repo = storage.repo
+    _layout, weights, state = save
+    plan: list[tuple[str, FileKind]] = [(rel, "weights") for rel in sorted(weights)]
+    plan.extend((rel, "state") for rel in sorted(state) if not _excluded(rel, asked))
+    if asked.extras:
+        plan.extend(
+            (rel, "extra")
+            for rel in top_level_extras(repo, weights, report.filters, weights, state)
+        )
+    report.skipped = skipped_files(repo, {rel for rel, _ in plan}, set(), asked)
+    report.metadata_bytes = storage.bytes_fetched
+    report.files = [f for rel, kind in plan for f in planned_files(repo, [rel], kind)]
+    report.bytes_planned = sum(f.size for f in report.files if f.status in ("planned", "fetched"))
+    if report.dry_run:
+        return
+    report.bytes_transferred = fetch_files(repo, report, progress)
+    if report.cache_only:
+        return
+    assert dest is not None
+    with staged_output(dest, force=asked.force, progress=progress) as staging:
+        _copy_into(staging, report.files)
+        report.tensors_total = report.tensors_selected = _weights_in(staging)
+
+
+def _weights_in(save: Path) -> int:
+    """The model tensors of the training save at `save` (local), as `inspect` counts them; 0
+    when it does not open (a damaged save is still copied whole: `ckpt verify` says what)."""
+    from ...errors import CkptError
+    from ...sources.opening import open_source
+
+    try:
+        opened = open_source(str(save))
+    except CkptError:
+        return 0
+    try:
+        return opened.training.weights.get("tensors", 0) if opened.training else 0
+    finally:
+        opened.checkpoint.close()
+
+
+def _copy_into(staging: Path, files: list[DownloadFile]) -> None:
+    """Copy each fetched (and checked) file from the HF cache to its place in `staging`."""
+    for info in files:
+        assert info.cache_path is not None
+        target = staging / info.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(info.cache_path, target)
 
 
 def _excluded(rel: str, asked: DownloadRequest) -> bool:

@@ -47,6 +47,8 @@ from .plan import (
     DownloadRange,
     DownloadReport,
     DownloadRequest,
+    fsdp_save_files,
+    fsdp_tensors_refused,
     index_selection,
     no_match,
     no_safetensors,
@@ -331,6 +333,8 @@ def download_tensors(
                 path=src,
                 fix="Use --mode shards (torch.save shards are fetched whole).",
             )
+        if fsdp_save_files(source, repo) is not None:
+            raise fsdp_tensors_refused(src)
         raise no_safetensors(
             src, repo, "holds no safetensors files: --mode tensors needs raw byte ranges to fetch"
         )

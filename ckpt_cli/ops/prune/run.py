@@ -274,6 +274,31 @@ def plan_report(run: RunReport, policy: PrunePolicy, run_dir: str) -> PruneRepor
     )
 
 
+def _refuse_one_checkpoint(run_dir: str, run: RunReport) -> None:
+    """Refuse a folder that is one checkpoint (its own files at its top, no step checkpoint
+    below): judged as a run it held nothing to delete, and prune said so with exit 0, which a
+    retention job takes for done (UsageError, naming the run folder to prune instead)."""
+    if run.checkpoints or not run.root_files:
+        return
+    if is_remote(run_dir):
+        parent = run_dir.rstrip("/").rpartition("/")[0]
+    else:  # (`ckpt prune step-1` from inside the run folder: its parent is `.`)
+        parent = str(Path(run_dir).parent) if Path(run_dir).parent != Path(run_dir) else ""
+    if not parent or parent.endswith(":/"):  # a bucket's root, or `/`: no run folder above it
+        fix = "Point at the run folder that holds checkpoint-N/, step-N/ or *.ckpt saves."
+    else:
+        fix = (
+            f"Prune its run folder with the same options: `ckpt prune {parent} ...` (a plan; "
+            "--yes deletes)."
+        )
+    raise UsageError(
+        "is one checkpoint, not a run folder of checkpoints: prune removes whole checkpoints "
+        "of a run",
+        path=run_dir,
+        fix=fix,
+    )
+
+
 def prune(
     run_dir: str | Path, policy: PrunePolicy, *, yes: bool = False, strict_metric: bool = True
 ) -> PruneReport:
@@ -310,6 +335,7 @@ def prune(
         for note in recover_old_copies_in(root):
             notice(note)
     run = scan_run(root, metric=policy.keep_best, mode=policy.mode, settle=policy.settle)
+    _refuse_one_checkpoint(str(root), run)
     if strict_metric and run.best is not None and run.best.name is None:
         fix = (
             "Check the metric name; values come from metrics.jsonl "

@@ -89,7 +89,8 @@ class SlimAction(Record):
 
 def slim_plan(path: str | Path) -> SlimAction | None:
     """What slimming the checkpoint at `path` would remove, or None when there is nothing."""
-    from ...sources.layouts import CompositeCheckpoint, open_source
+    from ...sources.layouts import CompositeCheckpoint
+    from ...sources.opening import open_source
 
     target = Path(path)
     try:

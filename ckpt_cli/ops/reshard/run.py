@@ -44,7 +44,8 @@ from ...formats.names import (
 )
 from ...models import FileInfo
 from ...progress import NULL_PROGRESS, Progress
-from ...sources.layouts.base import Layout, OpenedSource, open_plain
+from ...sources.layouts.base import Layout, OpenedSource
+from ...sources.opening import open_plain
 from ...sources.runs.records import is_checksum_manifest
 from ...storage.output import Destination, check_destination
 from ..convert.plan import check_one_file_naming, guard_paths, local_dest, planned_files
@@ -224,7 +225,8 @@ def regroup(
 def _training_layout(source: Source, format: str | None) -> OpenedSource | None:
     """The training layout of a folder SRC (None for a file, a plain folder, or `-f`), refused
     where its framework could not load the weights cut by size (accelerate)."""
-    from ...sources.layouts import folder_layout_named, recognise_layout
+    from ...sources.layouts import folder_layout_named
+    from ...sources.opening import recognise_layout
 
     if source.target is not None or format is not None:
         return None
@@ -456,7 +458,8 @@ def _rank_state_used(report: ReshardReport, asked: str | None) -> ReshardReport:
 
 def _training_folder(source: Source) -> tuple[Source, OpenedSource, Layout] | None:
     """SRC opened as a training folder layout (Trainer, accelerate...), when it is one."""
-    from ...sources.layouts import folder_layout_named, recognise_layout
+    from ...sources.layouts import folder_layout_named
+    from ...sources.opening import recognise_layout
 
     opened = recognise_layout(source)
     if opened is None:

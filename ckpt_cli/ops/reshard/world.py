@@ -49,7 +49,7 @@ from ...heap import gc_paused
 from ...models import Chunk, Entry, FileInfo, Manifest, TrainingState
 from ...progress import NULL_PROGRESS, CountingProgress, Progress
 from ...sources.layouts import ckpt_record
-from ...sources.layouts.base import open_plain
+from ...sources.opening import open_plain
 from ...storage.output import check_destination
 from ..convert.plan import (
     NO_COMPRESSION,
@@ -434,8 +434,8 @@ def check_world_options(world_size: int, compression: str | None) -> None:
 
 def _single_layout(checkpoint: Checkpoint) -> SingleLayout | None:
     """The single-checkpoint training layout (torchtitan...) a DCP checkpoint is, if any."""
+    from ...sources.layouts.base import top_keys
     from ...sources.layouts.torch_dict import SINGLE_LAYOUTS
-    from ...sources.layouts.training import top_keys
 
     keys = top_keys(checkpoint.manifest)
     for layout in SINGLE_LAYOUTS:

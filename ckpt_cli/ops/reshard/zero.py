@@ -935,7 +935,7 @@ def check_recut(opened: OpenedSource, staging: Path) -> None:
     elsewhere, which the tests check bit for bit through DeepSpeed; reading them all again
     here would hold a partition in memory.)"""
     from ...formats import resolve_source
-    from ...sources.layouts import recognise_layout
+    from ...sources.opening import recognise_layout
 
     out = recognise_layout(resolve_source(str(staging)))
     if out is None:

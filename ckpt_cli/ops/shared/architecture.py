@@ -36,6 +36,7 @@ from ...architectures.base import (
     MappedTensor,
     ModelArgs,
     NamingOutput,
+    compile_pattern,
 )
 from ...errors import FormatError
 from ...models import Chunk, Record
@@ -132,10 +133,11 @@ def refuse_adapter(opened: OpenedSource, target: str, where: str) -> None:
     if layout is None or layout.layout != "peft":
         return
     details = layout.details or {}
-    lora = str(details.get("peft_type", "")).upper() == "LORA" and not details.get("use_dora")
+    # the adapter types `ckpt merge` merges (DoRA is a LoRA that says `use_dora`)
+    mergeable = str(details.get("peft_type", "")).upper() in ("LORA", "IA3", "LOHA", "LOKR")
     merge = (
         f"`ckpt merge BASE {where} MERGED`"
-        if lora
+        if mergeable
         else "peft's `merge_and_unload()` and `save_pretrained`"
     )
     raise FormatError(
@@ -498,8 +500,14 @@ def map_plan(
         )
         output = arch.naming_output(target, args)
         mapped = MappedCheckpoint(checkpoint, sourced, output.objects)
+        # the routing state the model keeps in float32 stays as stored under --dtype
+        kept = [compile_pattern(p) for p in arch.float32.get(target, ())]
         new_plan = plan_transfer(
-            mapped.manifest, dtype=cast, keep_objects=keep_objects, dedupe_tied=dedupe_tied
+            mapped.manifest,
+            dtype=cast,
+            keep_objects=keep_objects,
+            dedupe_tied=dedupe_tied,
+            uncast={t.name for t in sourced.tensors if any(k.match(t.name) for k in kept)},
         )
         new_plan.skipped = skipped + new_plan.skipped
         for item in new_plan.items:

@@ -139,7 +139,7 @@ def refuse_lost_files(
     told to leave out every rank's RNG states (`rank_state`: its `--rank-state` choice, ""
     when none was made, None for a command without the option; "drop") writes none of the
     lost ones either: nothing then lacks them without a word."""
-    from ...sources.layouts.composite import LOST_FILE_CODES, lost_component
+    from ...sources.layouts.ranks import LOST_FILE_CODES, lost_component
 
     if opened is None:
         return []
@@ -208,7 +208,7 @@ def lost_file_warnings(opened: OpenedSource | None) -> list[str]:
     """The warnings of an output of the whole training save that lacks what its source lacks
     and `verify` only warns of (`RANK_RNG_CODES` at severity warning: a rank's RNG states lost,
     or on another node's disk): said, never written away in silence."""
-    from ...sources.layouts.composite import RANK_RNG_CODES
+    from ...sources.layouts.ranks import RANK_RNG_CODES
 
     if opened is None:
         return []

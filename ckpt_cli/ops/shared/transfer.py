@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 import typing
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -227,8 +227,8 @@ def nothing_to_dequantize(
         more = f", and {len(packed) - 1} more" if len(packed) > 1 else ""
         return FormatError(
             f"{flag}: ckpt does not dequantize {schemes} weights, and the quantized weights "
-            f"here are of it ({module!r}: {scheme}{more}); it dequantizes FP8, MXFP4 and NVFP4 "
-            "weights and GGUF blocks only",
+            f"here are of it ({module!r}: {scheme}{more}); it dequantizes FP8, MXFP4, NVFP4, "
+            "compressed-tensors INT4/INT8 weights and GGUF blocks only",
             path=manifest.location,
             fix="Dequantize with the quantizing library (for bitsandbytes, transformers' "
             "`model.dequantize()` then `save_pretrained`), or drop --dequantize: `convert` "
@@ -236,7 +236,7 @@ def nothing_to_dequantize(
             "stored.",
         )
     return UsageError(
-        f"{flag}: no quantized weight found (FP8, MXFP4, NVFP4, GGUF blocks)",
+        f"{flag}: no quantized weight found (FP8, MXFP4, MXFP6, NVFP4, INT4/INT8, GGUF blocks)",
         path=manifest.location,
         fix="Drop --dequantize; `ckpt inspect` shows what the checkpoint holds.",
     )
@@ -304,6 +304,7 @@ def plan_transfer(
     restore_aliases: bool = False,
     left_out: Callable[[Entry], str | None] | None = None,
     with_scales: bool = False,
+    uncast: Collection[str] = (),
 ) -> TransferPlan:
     """Decide what to write, from the manifest alone.
 
@@ -329,6 +330,8 @@ def plan_transfer(
         with_scales: an `include` glob that picks a quantized weight picks its scales too
             (`quant.with_sidecars`, as `download --filter` does: a weight written without its
             `weight_scale_inv` loads off by the scale); an `exclude` glob naming one still wins.
+        uncast: source names a `dtype` cast leaves as stored (a model family's float32
+            routing state, `Architecture.float32`).
     """
     # a name the source recorded as an alias is an entry like any other here (selected,
     # filtered, renamed), read from the tensor it names: a target that stores every name gets
@@ -420,6 +423,7 @@ def plan_transfer(
             and entry.dtype in dtypes.FLOATING
             and entry.dtype != dtype
             and not is_step_counter(entry)
+            and entry.name not in uncast
         ):
             cast, target_dtype = dtype, dtype
         elif keep_objects and target_dtype in dtypes.SUB_BYTE:
@@ -742,6 +746,15 @@ def account_files(
             why = "a single-file DEST holds entries only: convert to a folder to carry it"
         elif rel.endswith(EXTRA_SUFFIXES) and (source.files.get(rel) or 0) > MAX_EXTRA_BYTES:
             why = f"larger than the {MAX_EXTRA_BYTES >> 20} MiB carried beside the weights"
+        elif "/" in rel and any(r.startswith(f"{rel.rpartition('/')[0]}/") for r in read):
+            # a model folder read as one component (a save hook's `unet/`): its config
+            # travels with that model converted alone
+            folder = rel.rpartition("/")[0]
+            why = (
+                f"the companion of the {folder}/ weights read into the output, whose entries "
+                f"are renamed {folder}.*: `--select {folder}` writes that model as a folder "
+                "of its own, with it"
+            )
         elif "/" in rel and not single_file:
             why = "in a subfolder ckpt does not read: copy it by hand if the output needs it"
         else:

@@ -27,8 +27,8 @@ interrupted sync uploaded it) is not sent again; S3 creates an object only when 
 completes, so a file cut midway is simply missing and sent whole.
 
 Down (`ckpt sync s3://bucket/run/ out/ --latest`): the newest complete remote checkpoint (or
-every one missing locally) is streamed into a hidden staging folder in the run folder,
-hashed on the way and checked against its manifest, then published with one rename. The
+every one missing locally) is streamed into a hidden staging folder in the run folder (its
+files `jobs` at once, largest first), hashed on the way and checked against its manifest, then published with one rename. The
 staging folder (`.NAME.ckpt-tmp-pull`) outlives a pull cut short, and the next pull keeps
 every file already whole in it: a pull resumes as an upload does.
 
@@ -49,8 +49,8 @@ from ...models import Request
 from ...sources.runs import DEFAULT_SETTLE, check_run_folder, is_remote
 from ...storage.uri import is_hub_url, parse_location
 from ..prune.retention import PrunePolicy
-from .model import RateLimit, SyncedCheckpoint, SyncReport
-from .push import DEFAULT_JOBS, plan_up, sync_up
+from .model import DEFAULT_JOBS, RateLimit, SyncedCheckpoint, SyncReport
+from .push import plan_up, sync_up
 
 __all__ = [
     "RateLimit",
@@ -112,9 +112,9 @@ def sync(
         on_round: called with each round's report (the CLI prints progress with it).
         on_file: pushing: called with (path in the run folder, bytes) after each file is
             in place remotely (the library's `Checkpointer` logs upload progress with it).
-        jobs: pushing: files (or parts of a large file) uploaded at once (each checkpoint's
-            markers and manifest still go last, one by one, once its data is there); None:
-            `DEFAULT_JOBS`. Refused when pulling, where it would do nothing.
+        jobs: files (or parts of a large file) uploaded at once (each checkpoint's markers
+            and manifest still go last, one by one, once its data is there), or files of a
+            checkpoint fetched at once when pulling; None: `DEFAULT_JOBS`.
         dry_run: one round's plan: what would be uploaded or pulled and, with
             `prune_policy`, the remote prune plan; nothing is written or removed on either
             side. Refused with `watch_seconds` (a plan that repeats would show nothing new).
@@ -178,11 +178,6 @@ def sync_with(
             "--prune-remote applies when pushing (SRC local, DEST remote)",
             fix="Leave --prune-remote out, or prune the local folder with `ckpt prune`.",
         )
-    if request.jobs is not None and down:
-        raise UsageError(
-            "--jobs applies when pushing (SRC local, DEST remote); a pull does not use it",
-            fix="Leave --jobs out.",
-        )
     if max_iterations is not None and watch_seconds is None:
         raise UsageError(
             "--max-iterations only applies with --watch",
@@ -200,6 +195,7 @@ def sync_with(
             fix="Give the interval in seconds, e.g. --watch 300.",
         )
     limit = RateLimit(request.max_rate)
+    jobs = DEFAULT_JOBS if request.jobs is None else request.jobs
 
     def one_round() -> SyncReport:
         if up and request.dry_run:
@@ -212,13 +208,19 @@ def sync_with(
                 limit=limit,
                 prune_policy=prune_policy,
                 on_file=on_file,
-                jobs=DEFAULT_JOBS if request.jobs is None else request.jobs,
+                jobs=jobs,
             )
         # a push never pulls: its process does not import the pull side
         from .pull import sync_down
 
         return sync_down(
-            src, dest, latest_only=latest_only, limit=limit, settle=settle, dry_run=request.dry_run
+            src,
+            dest,
+            latest_only=latest_only,
+            limit=limit,
+            settle=settle,
+            dry_run=request.dry_run,
+            jobs=jobs,
         )
 
     if watch_seconds is None:

@@ -16,6 +16,10 @@ from ..prune.retention import PruneReport
 #: hash algorithm of manifests sync computes (the one `verify --write-manifest` defaults to)
 SYNC_ALGORITHM = "sha256"
 
+#: files of one checkpoint uploaded or fetched at once (S3 serves parallel requests; so does
+#: every store fsspec speaks to); `ckpt sync --jobs` sets it
+DEFAULT_JOBS = 8
+
 
 class SyncedCheckpoint(Record):
     """What one round did with one checkpoint.

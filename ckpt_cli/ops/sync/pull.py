@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,14 @@ from ...errors import (
     UsageError,
     with_fix,
 )
-from ...faults import HeldStopSignals, interruption, io_failure, note_published, notice
+from ...faults import (
+    HeldStopSignals,
+    close_pool,
+    interruption,
+    io_failure,
+    note_published,
+    notice,
+)
 from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
 from ...sources.runs.naming import deepspeed_step, deepspeed_tag
@@ -37,7 +47,7 @@ from ...storage.output import (
 )
 from ...storage.uri import parse_location
 from ..verify.checksums import MANIFEST_NAME, ChecksumManifest, refuse_unsafe_manifest
-from .model import RateLimit, SyncedCheckpoint, SyncReport
+from .model import DEFAULT_JOBS, RateLimit, SyncedCheckpoint, SyncReport
 from .plan import ROOT_FILES, left_out, remote_manifest_bytes
 
 
@@ -107,12 +117,15 @@ def _fetch(
     target: Path,
     new: Callable[[], Any] | None,
     limit: RateLimit,
-) -> str | None:
+    stop: threading.Event | None = None,
+) -> tuple[str | None, int]:
     """Stream one remote file to `target` (through `target.part`, fsynced, then renamed);
-    returns its digest when a manifest gave the algorithm."""
+    returns its digest when a manifest gave the algorithm, and the bytes fetched from the
+    store (less than its size when the start an interrupted pull left is kept). Once `stop`
+    is set the fetch ends at its next block (`_Stopped`), its `.part` kept to resume."""
     part = target.with_name(target.name + ".part")
     try:
-        return _fetch_into(storage, rel, size, target, part, new, limit)
+        return _fetch_into(storage, rel, size, target, part, new, limit, stop)
     except OSError as exc:  # a full disk, a quota, EIO: exit 74 naming the file written
         raise io_failure(exc, part, "writing") from None
 
@@ -144,13 +157,16 @@ def _fetch_into(
     part: Path,
     new: Callable[[], Any] | None,
     limit: RateLimit,
-) -> str | None:
+    stop: threading.Event | None,
+) -> tuple[str | None, int]:
     hasher = new() if new else None
-    offset = _resumable(part, size, hasher)
+    offset = kept = _resumable(part, size, hasher)
     with open(part, "r+b" if offset else "wb") as out:
         out.seek(offset)
         out.truncate()
         while offset < size:
+            if stop is not None and stop.is_set():
+                raise _Stopped(rel)
             block = storage.read(rel, offset, min(UPLOAD_BLOCK, size - offset))
             if not block:
                 raise FormatError(
@@ -166,7 +182,50 @@ def _fetch_into(
         out.flush()
         os.fsync(out.fileno())
     os.rename(part, target)
-    return hasher.hexdigest() if hasher is not None else None
+    return (hasher.hexdigest() if hasher is not None else None), size - kept
+
+
+class _Stopped(Exception):
+    """A fetch ended because the pull stopped (another file failed, or a signal came): what
+    it wrote stays in its `.part`, for the next pull to resume."""
+
+
+@dataclass(frozen=True)
+class _Pulled:
+    """One file of a pull: found whole in staging (`reused`), or fetched: the bytes that came
+    from the store and the digest of the file's bytes (when a manifest gave the algorithm)."""
+
+    reused: bool
+    fetched: int = 0
+    digest: str | None = None
+
+
+def _pull_file(
+    storage: Storage,
+    rel: str,
+    size: int,
+    target: Path,
+    digest: str | None,
+    new: Callable[[], Any] | None,
+    limit: RateLimit,
+    stop: threading.Event,
+) -> _Pulled:
+    """Bring one file of a checkpoint into staging (`target`), unless an earlier pull left it
+    there whole; `digest` is the manifest's, the caller compares the result with it."""
+    if _whole(target, size, digest, new):
+        _stamp(target, storage, rel)
+        return _Pulled(reused=True)
+    part = target.with_name(target.name + ".part")
+    resumed = new is not None and part.is_file()
+    got, fetched = _fetch(storage, rel, size, target, new, limit, stop=stop)
+    if resumed and digest is not None and digest != got:
+        # the kept start of the file was not the object's (a torn write, an object rewritten
+        # since): fetched whole once more before the copy is judged damaged
+        target.unlink()
+        got, again = _fetch(storage, rel, size, target, new, limit, stop=stop)
+        fetched += again
+    _stamp(target, storage, rel)
+    return _Pulled(reused=False, fetched=fetched, digest=got)
 
 
 def _stamp(target: Path, storage: Storage, rel: str) -> None:
@@ -208,10 +267,11 @@ def _download(
     limit: RateLimit,
     *,
     replace: bool = False,
+    jobs: int = DEFAULT_JOBS,
 ) -> SyncedCheckpoint:
     """Stream one remote checkpoint into a staging folder, verified (against its manifest, of
     which `manifest` holds the bytes read, else structurally), then publish it (with
-    `replace`, in place of the local copy of the same name)."""
+    `replace`, in place of the local copy of the same name); `jobs` files fetched at once."""
     manifest_raw = manifest[1] if manifest is not None else None
     record = manifest[0] if manifest is not None else None
     is_dir = c.name not in files
@@ -239,6 +299,7 @@ def _download(
     damaged = False
     published = False
     try:
+        wanted: list[tuple[str, int, Path, str | None]] = []
         for rel, size in sorted(files.items()):
             inside = rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
             target = staging / inside
@@ -261,29 +322,52 @@ def _download(
                     fix="The remote copy is damaged; pull an older checkpoint, or sync "
                     "it again from a machine that has it whole.",
                 )
-            if _whole(target, size, expected.digest if expected else None, new):
-                result.files_reused += 1
-                _stamp(target, storage, rel)
-                continue
-            part = target.with_name(target.name + ".part")
-            resumed = new is not None and part.is_file()
-            digest = _fetch(storage, rel, size, target, new, limit)
-            if resumed and expected is not None and expected.digest != digest:
-                # the kept start of the file was not the object's (a torn write, an object
-                # rewritten since): fetched whole once more before the copy is judged damaged
-                target.unlink()
-                digest = _fetch(storage, rel, size, target, new, limit)
-            _stamp(target, storage, rel)
-            result.files_sent += 1
-            result.bytes_sent += size
-            if expected is not None and expected.digest != digest:
-                damaged = True
-                raise FormatError(
-                    f"{rel} does not match the checkpoint's checksum manifest",
-                    path=storage.describe(manifest_rel),
-                    fix="The remote copy is damaged; pull an older checkpoint, or sync "
-                    "it again from a machine that has it whole.",
+            wanted.append((rel, size, target, expected.digest if expected else None))
+        # the largest first (the longest fetch starts at once, the small files beside it),
+        # `jobs` at once; each is judged in that order once it is here
+        wanted.sort(key=lambda item: -item[1])
+        pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="ckpt-pull")
+        stop = threading.Event()
+        try:
+            pending = [
+                (
+                    rel,
+                    digest,
+                    pool.submit(_pull_file, storage, rel, size, target, digest, new, limit, stop),
                 )
+                for rel, size, target, digest in wanted
+            ]
+            futures = [future for _, _, future in pending]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            if any(f.done() and not f.cancelled() and f.exception() for f in futures):
+                # one file failed: the others end now, not once the largest is whole
+                stop.set()
+            for rel, digest, future in pending:
+                if isinstance(future.exception(), _Stopped):
+                    continue  # stopped for another file's failure, raised in its turn
+                pulled = future.result()
+                if pulled.reused:
+                    result.files_reused += 1
+                    continue
+                result.files_sent += 1
+                # what came over the wire: a resumed file's rest, not its whole size
+                result.bytes_sent += pulled.fetched
+                if digest is not None and digest != pulled.digest:
+                    damaged = True
+                    raise FormatError(
+                        f"{rel} does not match the checkpoint's checksum manifest",
+                        path=storage.describe(manifest_rel),
+                        fix="The remote copy is damaged; pull an older checkpoint, or sync "
+                        "it again from a machine that has it whole.",
+                    )
+        except BaseException:
+            # a failure or Ctrl-C: the fetches under way end at their next block (a 10 GB
+            # file is not finished first), their `.part` kept to resume
+            stop.set()
+            raise
+        finally:
+            # what is queued is dropped, what is being fetched ends first
+            close_pool(pool)
         if record is not None:
             missing = set(record.files) - {
                 rel.removeprefix(f"{c.name}/") if is_dir else rel.rsplit("/", 1)[-1]
@@ -604,6 +688,7 @@ def sync_down(
     dry_run: bool = False,
     only: str | None = None,
     replace_local: bool = False,
+    jobs: int = DEFAULT_JOBS,
 ) -> SyncReport:
     """`ckpt sync s3://… RUN_DIR`: pull the newest (or every missing) complete checkpoint.
 
@@ -615,6 +700,7 @@ def sync_down(
     holds (the Checkpointer's resume picks its own newest save, not the run's newest folder).
     With `replace_local` the local copy of that checkpoint is replaced by the store's, whole as
     it looks (the caller found a flipped bit in it that sizes and markers do not show).
+    The files of a checkpoint are fetched `jobs` at once, the largest first.
     """
     limit = limit or RateLimit(None)
     remote = scan_run(src.rstrip("/"), settle=0.0)
@@ -754,7 +840,15 @@ def sync_down(
                 )
             else:
                 done = _download(
-                    storage, c, files, manifest, manifest_rel, dest_root, limit, replace=replace
+                    storage,
+                    c,
+                    files,
+                    manifest,
+                    manifest_rel,
+                    dest_root,
+                    limit,
+                    replace=replace,
+                    jobs=jobs,
                 )
             if replace and done.action == "downloaded":
                 done.reason = replaced_why

@@ -27,7 +27,14 @@ from ...storage.remote_replies import listing_time
 from ...storage.uri import parse_location
 from ..prune.retention import RETENTION_OPTIONS, PrunePolicy, PruneReport
 from ..verify.checksums import ChecksumManifest, FileDigest
-from .model import SYNC_ALGORITHM, RateLimit, SyncedCheckpoint, SyncReport, now_iso
+from .model import (
+    DEFAULT_JOBS,
+    SYNC_ALGORITHM,
+    RateLimit,
+    SyncedCheckpoint,
+    SyncReport,
+    now_iso,
+)
 from .plan import (
     CHECKSUM_PROBE,
     ROOT_FILES,
@@ -42,10 +49,6 @@ from .plan import (
 )
 
 # --------------------------------------------------------------------------- up
-
-#: files of one checkpoint uploaded at once (S3 serves parallel PUTs; so does every store
-#: fsspec speaks to); `ckpt sync --jobs` sets it
-DEFAULT_JOBS = 8
 
 
 @dataclass

@@ -154,12 +154,17 @@ def manifest_location(source: Source, manifest: str | None) -> Destination:
     return default_manifest_path(source)
 
 
-def _refuse_manifest_over_checkpoint(source: Source, path: Destination) -> None:
+def _refuse_manifest_over_checkpoint(
+    source: Source, path: Destination, *, own_place: bool = False
+) -> None:
     """Refuse to write the manifest over a file of the checkpoint, whatever the flags.
 
     The manifest may replace (`--force`) only a manifest: a path that is one of the
     checkpoint's files, or any existing file that is not a ckpt manifest, is refused, on a
-    local disk and in an object store alike.
+    local disk and in an object store alike. `own_place`: `path` is the checkpoint's own
+    `ckpt-manifest.json` (no `--manifest` given), which is the manifest by its name even when
+    garbled (no checkpoint file, never hashed nor covered by parity), so it is replaced: its
+    read error names this very command as the fix.
     """
     root = source.storage.local_root
     local = local_destination(path)
@@ -183,6 +188,8 @@ def _refuse_manifest_over_checkpoint(source: Source, path: Destination) -> None:
             there = remote_key(storage.destination(name))
             if name != MANIFEST_NAME and there is not None and canonical_remote(there) == wanted:
                 _refuse_checkpoint_file(path, storage.destination(MANIFEST_NAME))
+    if own_place and not (local is not None and local.is_symlink()):
+        return
     if destination_exists(path) or (local is not None and local.is_symlink()):
         try:
             ChecksumManifest.model_validate(json.loads(read_destination(path, MAX_JSON_RECORD)))
@@ -255,7 +262,7 @@ def checksum_checks(
     if write:
         report.checks.append("write-manifest")
         algorithm = algo or "sha256"
-        _refuse_manifest_over_checkpoint(source, path)
+        _refuse_manifest_over_checkpoint(source, path, own_place=manifest is None)
         if not force:
             try:
                 check_destination(path, force=False)

@@ -26,11 +26,8 @@ from ...formats.base import Checkpoint, Source
 from ...heap import gc_paused
 from ...models import Problem, Request
 from ...progress import NULL_PROGRESS, Progress
-from ...sources.layouts import (
-    OpenedSource,
-    SourceOpener,
-    recognise_layout,
-)
+from ...sources.layouts import OpenedSource
+from ...sources.opening import SourceOpener, recognise_layout
 from ...storage.hashing import ALGORITHMS
 from ..parity import ParityCheck, check_parity, damage_text
 from .checksums import MANIFEST_NAME, checksum_checks, manifest_exists, manifest_location

@@ -10,8 +10,8 @@ from ...formats import get_format
 from ...formats.base import Source
 from ...heap import gc_paused
 from ...models import Problem, ProblemList
-from ...sources.layouts import (
-    OpenedSource,
+from ...sources.layouts import OpenedSource
+from ...sources.opening import (
     SourceOpener,
     check_source,
     format_of,

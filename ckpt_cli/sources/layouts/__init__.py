@@ -1,8 +1,9 @@
-"""Open any SRC: a plain checkpoint of one format, or a training layout built on top of them.
+"""The training layouts: what one checkpoint of each training framework is, and their registry.
 
-`open_source` is what inspect, verify, convert and diff call. It returns the checkpoint to read
-entries from and, when the source is (or contains) a resumable training checkpoint, the
-`TrainingState` describing it.
+`ckpt_cli.sources.opening.open_source` (the door inspect, verify, convert and diff call) asks
+this package which layout a SRC is (`open_folder_layout`, `training_layout_of`,
+`SINGLE_LAYOUTS`); the run judge (`ckpt_cli.sources.runs`) asks it the layouts' step names and
+completeness rules. Nothing here knows run folders.
 
 Layouts recognised (from file names, then from the keys of the loaded objects):
 
@@ -33,12 +34,9 @@ the single-checkpoint layouts (`SingleLayout`: `Lightning`, `TorchTitan`, `Torch
 in that order from `SINGLE_LAYOUTS`) tell themselves apart by the keys of the one opened
 checkpoint; `composite` builds the one-checkpoint view of a folder (its typed details:
 `details.CompositeDetails`); `training` holds the optimizer / scheduler / RNG / data-loader
-analysis and the resumable / exact verdict; `model_folders` the PEFT / diffusers /
-sentence-transformers / GGUF descriptions.
-
-One resolution per operation: an op resolves SRC once (`formats.resolve_source`) and hands the
-`Source` to `open_source` / `check_source` / `recognise_layout` (`SourceOpener` opens it at most
-once for the checks that need it opened), so a listing or a Hub lookup is never repeated.
+analysis and the resumable / exact verdict; `ranks` what a multi-process save wrote and
+which rank's files it lost; `model_folders` the PEFT / diffusers / sentence-transformers / GGUF
+descriptions.
 """
 
 from __future__ import annotations
@@ -48,14 +46,9 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ...errors import CkptError
-from ...findings import problem_from_error
-from ...formats import get_format, resolve_source
 from ...formats.base import Source
 from ...formats.names import DCP_METADATA
-from ...models import Problem
-from .base import REQUIRED, Layout, OpenedSource, SingleLayout, format_of, open_plain
-from .model_folders import LayoutInfo
+from .base import REQUIRED, Layout, OpenedSource, SingleLayout
 
 if TYPE_CHECKING:
     from .composite import CompositeCheckpoint, ObjectsCheckpoint, subfolder_source
@@ -92,22 +85,15 @@ __all__ = [
     "ObjectsCheckpoint",
     "OpenedSource",
     "SingleLayout",
-    "SourceOpener",
     "TorchDict",
     "TorchTitan",
     "analyse_single",
-    "check_source",
     "component_problems",
-    "describe_model_folder",
     "folder_layout",
     "folder_layout_named",
     "folder_layout_of",
-    "format_of",
     "layout_named",
-    "open_plain",
-    "open_source",
-    "recognise_layout",
-    "single_layout_missing",
+    "open_folder_layout",
     "subfolder_source",
     "training_checks",
     "training_layout_of",
@@ -136,6 +122,8 @@ FOLDER_REGISTRY: tuple[tuple[str, str, re.Pattern[str]], ...] = (
         re.compile(
             r"random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler\.bin"
             r"|pytorch_model_fsdp(_\d+)?_rank\d+\.bin|optimizer_\d+_rank\d+\.bin"
+            # a save slimmed to the model its save hook wrote (the diffusers scripts' `unet/`)
+            r"|ckpt-slim\.json"
         ),
     ),
     (
@@ -235,7 +223,7 @@ def training_layout_of(source: Source) -> tuple[Layout, set[str]] | None:
     return None
 
 
-def _open_layout(source: Source) -> OpenedSource | None:
+def open_folder_layout(source: Source) -> OpenedSource | None:
     """The training folder layout of a local, object-store or Hub folder, if it is one (DCP
     folders excepted): a Trainer pushes `last-checkpoint/` with its optimizer state to the Hub."""
     for layout in _recognised(source):
@@ -243,148 +231,3 @@ def _open_layout(source: Source) -> OpenedSource | None:
         if opened is not None:
             return opened
     return None
-
-
-def open_source(src: str | Source, format: str | None = None) -> OpenedSource:
-    """Open `src` (local path or URL), recognising training layouts unless `format` is given.
-
-    `src` may be a `Source` already resolved (`resolve_source`): an operation resolves its
-    SRC once and passes it down, so its listing and the Hub's repository lookup happen once.
-    With `format`, the source is read as that format alone; a torch.save or DCP training dict
-    still gets its training state (it is the same single checkpoint).
-    """
-    source = src if isinstance(src, Source) else resolve_source(src)
-    layout: LayoutInfo | None = None
-    if format is None:
-        opened = _open_layout(source)
-        if opened is not None:
-            return opened
-        layout = describe_model_folder(source)
-    checkpoint = open_plain(source, format)
-    saved_as = get_format(checkpoint.manifest.format)
-    if saved_as.self_described:
-        from .model_folders import gguf_info
-
-        layout = gguf_info(checkpoint.manifest)
-    if layout is None:
-        from .model_folders import diffusers_lora_info
-
-        layout = diffusers_lora_info(checkpoint.manifest)
-    if not saved_as.holds_objects:  # no training dict: plain weights
-        return OpenedSource(checkpoint=checkpoint, layout=layout)
-    from .torch_dict import analyse_single
-
-    return OpenedSource(checkpoint=checkpoint, training=analyse_single(checkpoint), layout=layout)
-
-
-class SourceOpener:
-    """One operation's SRC, opened at most once, on first use, by whichever check needs it.
-
-    `verify` runs its quantization checks and its `--deep` / `--resumable` reads on the same
-    opened source; a failure to open is kept and raised again to every later caller, so each
-    one reports it as it did when it opened SRC itself.
-    """
-
-    def __init__(self, source: Source, format: str | None = None) -> None:
-        self.source = source
-        self.format = format
-        self._opened: OpenedSource | None = None
-        self._error: CkptError | None = None
-
-    def get(self) -> OpenedSource:
-        """The opened source (CkptError when it cannot be opened)."""
-        if self._error is not None:
-            raise self._error
-        if self._opened is None:
-            try:
-                self._opened = open_source(self.source, self.format)
-            except CkptError as error:
-                self._error = error
-                raise
-        return self._opened
-
-    def close(self) -> None:
-        """Close what `get` opened (nothing when it was never asked)."""
-        if self._opened is not None:
-            self._opened.checkpoint.close()
-
-
-def describe_model_folder(source: Source) -> LayoutInfo | None:
-    """The library layout of a local or remote model folder (PEFT...), from its JSON files."""
-    from .model_folders import peft_info
-
-    if source.target is not None:
-        return None
-    return peft_info(source)
-
-
-# --------------------------------------------------------------------------- checks
-
-
-def check_source(
-    src: str | Source, format: str | None = None, opened: OpenedSource | None = None
-) -> list[Problem]:
-    """Structural problems of any SRC, training folders included (what plain `verify` runs).
-
-    A training folder gets its format's `check` on every component (the model's index against
-    its shards, every torch file loading with weights_only...) plus the components that could
-    not be read; anything else gets its format's `check`. Sources that cannot be opened at all
-    (a `latest` naming a missing tag) become one problem. `src` may be a `Source` already
-    resolved and `opened` its training layout already opened (`recognise_layout`): nothing is
-    then resolved or opened again.
-    """
-    where = src.location.raw if isinstance(src, Source) else src
-    owned = opened is None  # what this call opens it closes; a caller's stays open
-    try:
-        source = src if isinstance(src, Source) else resolve_source(src)
-        if opened is None and format is None:
-            opened = _open_layout(source)
-        if opened is None:
-            name = format_of(source, format)
-            return list(get_format(name).check(source))
-    except CkptError as error:
-        return [problem_from_error(error, file=error.path or where)]
-    from .composite import subfolder_source
-    from .training import component_problems
-
-    problems = component_problems(opened)
-    try:
-        for rel, fmt in opened.parts.values():
-            if fmt == "json":
-                continue
-            if rel.endswith("/"):
-                part = subfolder_source(source, rel.rstrip("/"))
-            else:
-                part = Source(location=source.location, storage=source.storage, target=rel)
-            problems.extend(get_format(fmt).check(part))
-    finally:
-        if owned:
-            opened.checkpoint.close()
-    return problems
-
-
-def single_layout_missing(source: Source) -> list[Problem]:
-    """What one checkpoint (a DCP folder, a torch.save file) lacks by its training layout's own
-    rule (`Layout.missing`: a torchtitan save holding its `train_state` and no optimizer
-    state); what plain `verify` adds to its format's structural check. Only a DCP folder's
-    layout has such a rule (torchtitan's): another source imports no layout module."""
-    if source.target is not None or DCP_METADATA not in set(source.top_level()):
-        return []
-    from .composite import Folder
-    from .torch_dict import SINGLE_LAYOUTS
-
-    for layout in SINGLE_LAYOUTS:
-        if layout.recognise(source):
-            found = layout.missing(source, Folder(source))
-            if found:
-                return found
-    return []
-
-
-def recognise_layout(source: Source) -> OpenedSource | None:
-    """The training layout of a local folder when it is one, else None (cheap: names first).
-
-    Unlike `open_source`, nothing else is opened, so a caller can still run a format's `check`
-    on a broken plain checkpoint (what `verify` does).
-    """
-    return _open_layout(source)

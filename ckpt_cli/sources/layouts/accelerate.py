@@ -22,7 +22,14 @@ import re
 from pathlib import Path
 
 from ...formats.base import Source
-from ...formats.names import PICKLE_SUFFIX, SAFETENSORS_SUFFIX, TORCH_BIN_SUFFIX
+from ...formats.names import (
+    PICKLE_SUFFIX,
+    SAFETENSORS_SUFFIX,
+    SLIM_RECORD,
+    TORCH_BIN_SUFFIX,
+    index_format,
+    weight_format,
+)
 from ...models import Problem
 from .base import Layout, OpenedSource
 from .composite import (
@@ -32,14 +39,11 @@ from .composite import (
     Folder,
     component_files,
     component_prefixes,
-    finish,
-    missing_rank_files,
-    missing_rank_states,
     numbered,
-    ranks_lost_since,
-    saved_world,
 )
-from .training import all_models, analyse, per_rank_models, value_of
+from .model_folders import saved_model_folders
+from .ranks import missing_rank_files, missing_rank_states, ranks_lost_since, saved_world
+from .training import all_models, analyse, finish, per_rank_models, value_of, weights_summary
 
 _RNG = r"random_states_\d+\.pkl"
 _OPTIM = r"optimizer(_\d+)?\.bin"
@@ -66,7 +70,11 @@ class Accelerate(Layout):
         return f"random_states_{rank}.pkl"
 
     def recognise(self, source: Source) -> bool:
+        """accelerate's own files, or a save `ckpt prune --slim-older-than` slimmed to the model
+        a save hook wrote (`holds_hook_model`: the diffusers training scripts' `unet/`)."""
         folder = Folder(source)
+        if folder.has(SLIM_RECORD) and holds_hook_model(set(source.files)):
+            return True
         return bool(
             folder.matching(_RNG)
             or folder.matching(_OPTIM)
@@ -76,19 +84,21 @@ class Accelerate(Layout):
         )
 
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
-        """Every rank's file of a per-rank FSDP save (`composite.missing_rank_files`), the
+        """Every rank's file of a per-rank FSDP save (`ranks.missing_rank_files`), the
         optimizer state a scheduler's file says was saved (`_missing_optimizer`), and every
         prepared object's state below the highest one saved (`_missing_objects`). A save
         `ckpt prune --slim-older-than` slimmed lacks its optimizer and RNG states on purpose
-        (its scheduler kept): only its objects are asked for."""
-        from ..runs import SLIM_RECORD
+        (its scheduler kept): only its objects are asked for. A model a save hook wrote into a
+        subfolder, which the run's save before this one holds, is asked for of every save
+        (`_models_lost_since`)."""
 
         if folder.has(SLIM_RECORD):
-            return _missing_objects(source, folder)
+            return _missing_objects(source, folder) + _models_lost_since(source, folder)
         return (
             _missing_optimizer(source, folder)
             + _missing_objects(source, folder)
             + missing_rank_files(source, folder, self.rank_files)
+            + _models_lost_since(source, folder)
         )
 
     def unknown_state(self, source: Source, folder: Folder) -> str | None:
@@ -109,6 +119,7 @@ class Accelerate(Layout):
         folder = Folder(source)
         rng = folder.matching(_RNG)
         folder.add_model()
+        hook_models = _add_hook_models(folder)
         for stem in ("model", "pytorch_model"):  # the models after the first (`model_1...`)
             for suffix, fmt in ((".safetensors", "safetensors"), (".bin", "torch")):
                 for name, i in folder.numbered_files(stem, suffix):
@@ -137,8 +148,22 @@ class Accelerate(Layout):
         folder.problems.extend(missing_rank_states(source, folder, self))
         folder.problems.extend(_lost_since_save_before(source, folder, self))
         checkpoint = folder.composite("accelerate")
-        state = analyse(checkpoint, "accelerate", component_prefixes(checkpoint))
+        prefixes = component_prefixes(checkpoint)
+        if "model" not in prefixes:
+            # the hook popped accelerate's own weights: the models it saved are the run's
+            trained = [c for c in hook_models if "ema" not in c] or hook_models
+            # the denoiser first: what `model` names (`--to hf`, `diff --select model`)
+            trained.sort(key=lambda comp: comp not in ("unet", "transformer"))
+            prefixes.update((numbered("model", i), f"{comp}.") for i, comp in enumerate(trained))
+        state = analyse(checkpoint, "accelerate", prefixes)
         all_models(checkpoint, state)
+        if "model_1" in prefixes:  # several models trained: the weights of all of them
+            weights = [
+                weights_summary(checkpoint, p) for k, p in prefixes.items() if k.startswith("model")
+            ]
+            state.weights = {
+                k: sum(w.get(k, 0) for w in weights) for k in ("tensors", "parameters", "bytes")
+            }
         per_rank_models(checkpoint, state)
         state.components = component_files(folder)
         # accelerate records no training step: the `step` in `random_states_N.pkl` counts
@@ -155,6 +180,112 @@ class Accelerate(Layout):
                 state.counter = f"accelerate's gradient-accumulation step ({name})"
                 break
         return finish(checkpoint, state, folder)
+
+
+#: the file diffusers' LoRA training scripts save the adapter in from their `save_state`
+#: pre-hook (`StableDiffusionPipeline.save_lora_weights`)
+_HOOK_LORA = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights.bin")
+
+
+def holds_hook_model(names: set[str]) -> bool:
+    """Whether a folder whose files are `names` (relative to it) holds a model a `save_state`
+    pre-hook wrote: a LoRA's `pytorch_lora_weights.safetensors`, or a `save_pretrained`
+    subfolder (`unet/`). Names only."""
+    return any(n in names for n in _HOOK_LORA) or bool(saved_model_folders(names))
+
+
+def _add_hook_models(folder: Folder) -> list[str]:
+    """The models a `register_save_state_pre_hook` saved beside accelerate's files, as the
+    diffusers training scripts do (and pop from accelerate's weights, so no `model.safetensors`
+    is written): each `save_pretrained` folder (`unet/`, `unet_ema/`, `text_encoder/`) a
+    component named after it, a LoRA's `pytorch_lora_weights.safetensors` the component
+    `lora`. Returns the components added, in the order found."""
+    added: list[str] = []
+    for name in _HOOK_LORA:
+        if (
+            folder.has(name)
+            and "lora" not in folder.components
+            and folder.add("lora", name, weight_format(name) or "torch") is not None
+        ):
+            added.append("lora")
+    names = {n[len(folder.base) :] for n in folder.source.files if n.startswith(folder.base)}
+    for sub, weights in saved_model_folders(names):
+        if sub in folder.components or sub in folder.unreadable_parts:
+            continue
+        fmt = index_format(weights) or weight_format(weights) or "safetensors"
+        if folder.add(sub, weights, fmt) is not None:
+            added.append(sub)
+    return added
+
+
+def _models_lost_since(source: Source, folder: Folder) -> list[Problem]:
+    """`missing_component` for each model a `save_state` pre-hook saved into a subfolder
+    (`unet/`, `saved_model_folders`) that the run's save before this one holds (`_save_before`,
+    on this machine) and this save lacks whole: the diffusers training scripts write it at
+    every save, before accelerate's own files, so it was lost since (nothing else in the
+    folder records it; `load_state` then resumes with the model as the script built it).
+    Likewise the optimizer's `optimizer.bin` of a save that holds such a model and no
+    optimizer state: the hook runs first, so a save with its model went on to the optimizer."""
+    before = _save_before(source)
+    if before is None:
+        return []
+    try:
+        older = {
+            f"{sub.name}/{file.name}"
+            for sub in before.iterdir()
+            if sub.is_dir()
+            for file in sub.iterdir()
+        }
+        older_top = {p.name for p in before.iterdir() if p.is_file()}
+    except OSError:
+        return []  # an unreadable sibling says nothing
+    names = {n[len(folder.base) :] for n in source.files if n.startswith(folder.base)}
+    here = {sub for sub, _ in saved_model_folders(names)}
+    fix = (
+        "Copy it again from where the run saved it, or use another checkpoint of the run "
+        "(`ckpt latest` names the newest whole one)."
+    )
+    problems = [
+        Problem(
+            code="missing_component",
+            message=f"is missing: the LoRA a save hook wrote with save_lora_weights, which the "
+            f"save before it ({before.name}) holds (the diffusers training scripts write it at "
+            "every save, before accelerate's own files); this save cannot resume training "
+            "where it stopped",
+            file=source.storage.describe(folder.rel(name)),
+            fix=fix,
+        )
+        for name in _HOOK_LORA
+        if name in older_top and not any(folder.has(n) for n in _HOOK_LORA)
+    ]
+    hooked = here or any(folder.has(n) for n in _HOOK_LORA)
+    if hooked and not _optimizers(folder) and not _deepspeed_states(source):
+        # the save hook's model is here, so the save went on to accelerate's own files:
+        # an optimizer the save before holds was written into this one too
+        problems += [
+            Problem(
+                code="missing_component",
+                message=f"is missing: the optimizer's state, which the save before it "
+                f"({before.name}) holds and accelerate's save_state writes at every save; "
+                "this save cannot resume training where it stopped",
+                file=source.storage.describe(folder.rel(name)),
+                fix=fix,
+            )
+            for name in sorted(n for n in older_top if re.fullmatch(_OPTIM, n))
+        ]
+    return problems + [
+        Problem(
+            code="missing_component",
+            message=f"is missing: the model a save hook wrote into {sub}/ with save_pretrained, "
+            f"which the save before it ({before.name}) holds (the diffusers training scripts "
+            "write it at every save, before accelerate's own files); this save cannot resume "
+            "training where it stopped",
+            file=source.storage.describe(folder.rel(sub)),
+            fix=fix,
+        )
+        for sub, _ in saved_model_folders(older)
+        if sub not in here
+    ]
 
 
 def _save_before(source: Source) -> Path | None:
@@ -233,7 +364,6 @@ def _rng_lost_since(
     states"). A save with some of them is `ranks_lost_since`' to judge, a rank whose own data
     files are here `missing_rank_states`'; one `ckpt prune --slim-older-than` slimmed dropped
     them on purpose."""
-    from ..runs import SLIM_RECORD
 
     if layout.rank_files is None or folder.has(SLIM_RECORD):
         return []

@@ -1,5 +1,5 @@
 """The layout protocol every training layout implements (`Layout`; `SingleLayout` for those
-inside one checkpoint), `OpenedSource`, and `open_plain`."""
+inside one checkpoint), `OpenedSource`, and `open_as_format`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from ...formats.base import Checkpoint, Source
 from ...formats.names import DCP_METADATA, TORCH_SUFFIXES
-from ...models import Problem, TrainingState
+from ...models import Manifest, Problem, TrainingState
 from .model_folders import LayoutInfo
 
 if TYPE_CHECKING:
@@ -169,26 +169,24 @@ class Layout(ABC):
         return int(match.group(1)) if match else None
 
 
-def format_of(source: Source, format: str | None = None) -> str:
-    """The format token to read `source` as (`formats.choose_format`: `format`, else the one
-    detected). A folder whose checkpoints are all in subfolders is refused first, as a usage
-    error naming what to pass instead, in the words `latest` and `prune` use (a run folder, a
-    folder of runs, a folder of saves such as `final/` and `best/`)."""
-    from ...formats import STORAGE_NAMES, choose_format, holds_only_nested_checkpoints
-
-    if (format is None or format in STORAGE_NAMES) and holds_only_nested_checkpoints(source):
-        from ..runs.naming import refuse_parent_folder
-
-        refuse_parent_folder(source.location.raw, source.files)
-    return choose_format(source, format)
+def top_keys(manifest: Manifest) -> dict[str, str]:
+    """Top-level key -> the prefix of its entries (the real key, not the first dotted part)."""
+    out: dict[str, str] = {}
+    for e in manifest.entries:
+        key = e.top_key()
+        if key not in out:
+            out[key] = f"{key}." if e.name != key else key
+    return out
 
 
-def open_plain(source: Source, format: str | None = None) -> Checkpoint:
-    """`formats.open_checkpoint` for a source already resolved: read as one format, `format`
-    (a token) overriding detection; no training layout is looked for."""
-    from ...formats import get_format
+def open_as_format(source: Source, format: str | None = None) -> Checkpoint:
+    """`source` opened as one format (`formats.choose_format`: `format`, a token, else the one
+    detected), its origin in the manifest's details; no training layout is looked for. What a
+    layout opens its own checkpoints with; a SRC a user named goes through the door
+    (`ckpt_cli.sources.opening.open_plain`), which first refuses a folder of saves."""
+    from ...formats import choose_format, get_format
 
-    checkpoint = get_format(format_of(source, format)).open(source)
+    checkpoint = get_format(choose_format(source, format)).open(source)
     if source.origin:
         checkpoint.manifest.details.update(source.origin)
     return checkpoint
@@ -211,7 +209,7 @@ class SingleLayout(Layout):
 
     @abstractmethod
     def matches(self, checkpoint: Checkpoint, keys: dict[str, str]) -> bool:
-        """Whether an opened checkpoint with these top-level keys (`training.top_keys`) is this
+        """Whether an opened checkpoint with these top-level keys (`top_keys`) is this
         layout's (cheap: the manifest's names, nothing read)."""
 
     @abstractmethod
@@ -228,9 +226,8 @@ class SingleLayout(Layout):
     def open(self, source: Source) -> OpenedSource | None:
         """Open SRC as one checkpoint; None unless its keys say it is this layout's."""
         from ...formats import get_format
-        from .training import top_keys
 
-        checkpoint = open_plain(source)
+        checkpoint = open_as_format(source)
         state = None
         if get_format(checkpoint.manifest.format).holds_objects:
             keys = top_keys(checkpoint.manifest)

@@ -11,16 +11,9 @@ from ...models import Entry
 from ...sizes import counted
 from ...storage import safe_relpath
 from .base import Layout, OpenedSource, Placeholder
-from .composite import (
-    CompositeCheckpoint,
-    Folder,
-    component_files,
-    finish,
-    missing_rank_states,
-    saved_world,
-    trainer_progress,
-)
-from .training import analyse, entries_under, value_of
+from .composite import CompositeCheckpoint, Folder, component_files, trainer_progress
+from .ranks import missing_rank_states, saved_world
+from .training import analyse, entries_under, finish, value_of
 
 _DS_MODEL = re.compile(r"mp_rank_\d+_model_states\.pt$")
 #: `optim_states_R_mp_rank_MM` when a save has several model-parallel ranks

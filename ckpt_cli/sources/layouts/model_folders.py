@@ -138,14 +138,31 @@ def peft_info(source: Source, base: str = "") -> LayoutInfo | None:
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             details[key] = config[key]
+    # LoHa / LoKr (peft's LyCORIS adapters) say `alpha`, not `lora_alpha`; LoKr's factoring
+    # and the CP form of convolutions decide which tensors each layer holds
+    for key in ("alpha", "use_effective_conv2d", "decompose_both"):
+        if config.get(key) is not None and kind.upper() in ("LOHA", "LOKR"):
+            details[key] = config[key]
+    if kind.upper() == "LOKR" and config.get("decompose_factor") not in (None, -1):
+        details["decompose_factor"] = config["decompose_factor"]
+    # IA³ scales a feedforward layer's inputs, every other layer's outputs
+    feedforward = config.get("feedforward_modules")
+    if kind.upper() == "IA3" and feedforward:
+        details["feedforward_modules"] = (
+            sorted(feedforward) if isinstance(feedforward, list) else feedforward
+        )
+    alpha = details["lora_alpha"] if details["lora_alpha"] is not None else details.get("alpha")
     parts = []
     if details["r"] is not None:
         parts.append(f"r={details['r']}")
-    if details["lora_alpha"] is not None:
-        parts.append(f"alpha={details['lora_alpha']}")
+    if alpha is not None:
+        parts.append(f"alpha={alpha}")
     if targets:
         shown = ", ".join(targets) if isinstance(targets, list) else str(targets)
         parts.append(f"targets {shown}")
+    if "feedforward_modules" in details:
+        shown = details["feedforward_modules"]
+        parts.append(f"feedforward {', '.join(shown) if isinstance(shown, list) else shown}")
     parameters = config.get("target_parameters")
     if isinstance(parameters, list) and parameters:
         # LoRA on parameters (MoE expert stacks) rather than on whole layers
@@ -412,6 +429,25 @@ def _weights_in(names: set[str], folder: str) -> str | None:
         return f"{prefix}{indexes[0]}"
     singles = [n for n in variants if not re.search(r"-\d{5}-of-\d{5}\.", n)]
     return f"{prefix}{singles[0]}" if singles else None
+
+
+def saved_model_folders(names: set[str], base: str = "") -> list[tuple[str, str]]:
+    """(subfolder, weights file) of each model a training script saved with `save_pretrained`
+    into a direct subfolder of folder `base` (paths relative to it): `unet/` as the diffusers
+    training scripts' `save_state` pre-hook writes it (`config.json` beside
+    `diffusion_pytorch_model.safetensors`), `unet_ema/`, a `text_encoder/` saved by
+    transformers. A subfolder with no `config.json` is no such model (accelerate's FSDP
+    `pytorch_model_fsdp_0/`)."""
+    inside = {n[len(base) :] for n in names if n.startswith(base)}
+    subfolders = sorted({n.split("/", 1)[0] for n in inside if n.count("/") == 1})
+    found: list[tuple[str, str]] = []
+    for sub in subfolders:
+        if f"{sub}/config.json" not in inside:
+            continue
+        weights = _weights_in(inside, sub)
+        if weights is not None:
+            found.append((sub, weights))
+    return found
 
 
 def multi_folder(source: Source) -> tuple[str, list[Component], dict[str, Any]] | None:

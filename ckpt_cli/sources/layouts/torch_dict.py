@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING
 
 from ...formats import find_format
 from ...formats.base import Checkpoint, Source
+from ...formats.names import SLIM_RECORD
 from ...models import Manifest, Problem, TrainingState
 from . import ckpt_record
-from .base import SingleLayout, open_plain
+from .base import SingleLayout, open_as_format, top_keys
 from .lightning import Lightning
 from .torchtitan import missing_states, model_entries, model_only_note, titan_model_keys
 from .training import (
@@ -19,7 +20,6 @@ from .training import (
     as_int,
     per_rank_models,
     rank_components,
-    top_keys,
     value_of,
     verdict,
 )
@@ -86,11 +86,10 @@ class TorchTitan(SingleLayout):
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
         """The states a save holding torchtitan's `train_state` lacks by torchtitan's own rule
         (`torchtitan.missing_states`): its `.metadata` read, no tensor data."""
-        from ..runs import SLIM_RECORD
 
         if not self.recognise(source) or folder.has(SLIM_RECORD):
             return []  # slimmed by `ckpt prune --slim-older-than`: weights-only on purpose
-        with open_plain(source) as checkpoint:
+        with open_as_format(source) as checkpoint:
             keys = top_keys(checkpoint.manifest)
         if ckpt_record.RECORD_KEY in keys:  # a Checkpointer save (see the class)
             return []
@@ -99,14 +98,13 @@ class TorchTitan(SingleLayout):
     def unknown_state(self, source: Source, folder: Folder) -> str | None:
         """A model-only save past step 0 (`torchtitan.model_only_note`): a weights export, which
         torchtitan's own `load` cannot resume from; its `.metadata` read, no tensor data."""
-        from ..runs import SLIM_RECORD
 
         if not self.recognise(source) or folder.has(SLIM_RECORD):
             return None
         # step-0 is the seed checkpoint, which `load` reads model-only
         if not self.step_of(source.location.raw.rstrip("/").rsplit("/", 1)[-1]):
             return None
-        with open_plain(source) as checkpoint:
+        with open_as_format(source) as checkpoint:
             keys = top_keys(checkpoint.manifest)
         if ckpt_record.RECORD_KEY in keys:  # a Checkpointer save (see the class)
             return None

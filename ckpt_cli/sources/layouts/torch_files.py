@@ -21,7 +21,8 @@ import re
 from ...formats.base import Source
 from ...models import Problem
 from .base import Layout, OpenedSource
-from .composite import Folder, component_files, component_prefixes, finish
+from .composite import Folder, component_files, component_prefixes
+from .training import finish
 
 #: component -> the file stems a plain loop saves it under (`<stem>.pt` / `<stem>.pth`)
 FILE_STEMS: dict[str, tuple[str, ...]] = {

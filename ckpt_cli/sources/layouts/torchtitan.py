@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ...models import Entry, Manifest, Problem
-from .training import top_keys
+from .base import top_keys
 
 #: the top-level states torchtitan's CheckpointManager saves beside the model's own keys
 _TITAN_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")

@@ -8,21 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from ...formats.base import Source
-from ...models import Problem, TrainingState
+from ...formats.names import SLIM_RECORD
+from ...models import Problem
 from ...sizes import counted
 from .base import Layout, OpenedSource
-from .composite import (
-    Folder,
-    component_files,
-    component_prefixes,
-    finish,
-    missing_rank_files,
-    missing_rank_states,
-    ranks_lost_since,
-    saved_world,
-    trainer_progress,
-)
-from .training import analyse, per_rank_models
+from .composite import Folder, component_files, component_prefixes, trainer_progress
+from .ranks import missing_rank_files, missing_rank_states, ranks_lost_since, saved_world
+from .training import analyse, finish, per_rank_models
 
 #: files only the Trainer writes; `training_args.bin` is not one of them: scripts built on
 #: accelerate save their `TrainingArguments` beside `save_state`'s files too
@@ -118,7 +110,7 @@ class Trainer(Layout):
             state.components.pop("model", None)
         trainer_progress(folder, state)
         opened = finish(checkpoint, state, folder)
-        opened.problems.extend(_unfinished(source, folder, state))
+        opened.problems.extend(_unfinished(source, folder))
         return opened
 
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
@@ -130,7 +122,8 @@ class Trainer(Layout):
         `trainer_state.json` whose `global_step` is not the one the folder is named after
         (`_foreign_trainer_state`)."""
         return (
-            _trainer_missing(source, folder)
+            _lost_weights(source, folder)
+            + _trainer_missing(source, folder)
             + missing_rank_files(source, folder, self.rank_files)
             # under DeepSpeed the rank files are all the Trainer's own of the save (see
             # `_trainer_missing`); the ZeRO partitions say which ranks saved
@@ -233,40 +226,16 @@ def _model_only(source: Source, folder: Folder) -> bool:
     )
 
 
-def _unfinished(source: Source, folder: Folder, state: TrainingState) -> list[Problem]:
-    """What makes a Trainer save no whole checkpoint, whatever is asked of it: its model
-    weights gone (the Trainer writes them first: deleted or lost since), or no
+def _unfinished(source: Source, folder: Folder) -> list[Problem]:
+    """What makes a Trainer save no whole checkpoint, whatever is asked of it: no
     `trainer_state.json` (it writes that last: the save did not finish). `ckpt latest` and
-    `prune` judge the same save incomplete (`runs.judge`); plain `verify` says so too."""
-    from ..runs import SLIM_RECORD
+    `prune` judge the same save incomplete (`runs.judge`); plain `verify` says so too. Its
+    weights gone are `_lost_weights` (in `missing`, which the run judge asks too)."""
 
     if _model_only(source, folder):
         return []
     where = source.location.raw
     problems: list[Problem] = []
-    deepspeed = any(n.startswith("global_step") for n in source.files)
-    # weights that are there but cannot be read (truncated, corrupt) are named by their own
-    # `unreadable_component`: calling them deleted would send the user after a file that is here
-    unreadable = "model" in folder.unreadable_parts
-    if "weights" in state.missing and not deepspeed and not unreadable:
-        # a PEFT model's Trainer checkpoint holds its adapter (`save_pretrained` of the
-        # PeftModel), not the base model's weights
-        adapter = folder.has("adapter_config.json")
-        weights = (
-            "adapter weights (adapter_model.safetensors or adapter_model.bin) beside its "
-            "adapter_config.json"
-            if adapter
-            else "model weights (model.safetensors, pytorch_model.bin or their shards)"
-        )
-        problems.append(
-            Problem(
-                code="missing_weights",
-                message=f"{where}: no {weights}, which a Trainer save writes first: deleted or "
-                "lost since?",
-                file=source.storage.describe("adapter_model.safetensors") if adapter else where,
-                fix=_OTHER,
-            )
-        )
     if not folder.has("trainer_state.json") and not folder.has(SLIM_RECORD):
         problems.append(
             Problem(
@@ -278,6 +247,49 @@ def _unfinished(source: Source, folder: Folder, state: TrainingState) -> list[Pr
             )
         )
     return problems
+
+
+#: the Trainer's weight files (`save_pretrained`: one file or an index of shards; a PEFT
+#: model's adapter) and accelerate's FSDP model files (`pytorch_model_fsdp.bin`, per-rank
+#: `pytorch_model_fsdp_0_rank1.bin`)
+_WEIGHT_NAMES = (
+    r"(model|pytorch_model)\.(safetensors|bin)(\.index\.json)?|adapter_model\.(safetensors|bin)"
+    r"|pytorch_model_fsdp.*\.bin"
+)
+#: FSDP's SHARDED_STATE_DICT model folder (`save_fsdp_model`), and ckpt's `model_0/`
+_WEIGHT_DIRS = re.compile(r"(pytorch_model_fsdp_\d+|model_0)/")
+
+
+def _lost_weights(source: Source, folder: Folder) -> list[Problem]:
+    """A Trainer checkpoint that holds no model weights by name: the Trainer writes them first
+    (`save_model`; under FSDP accelerate's `pytorch_model_fsdp_0/` or
+    `pytorch_model_fsdp.bin`), so they were deleted or lost since. Names only, so the run judge
+    (`ckpt latest`, `prune`) calls such a save incomplete as `verify` does. Weights that are
+    here but unreadable are their component's own problem; DeepSpeed's are in `global_stepN/`;
+    a model folder (`save_model`'s output, not a `checkpoint-N/`) is no save to judge."""
+    if _deepspeed(source) or _model_only(source, folder) or folder.matching(_WEIGHT_NAMES):
+        return []
+    inside = [f[len(folder.base) :] for f in source.files if f.startswith(folder.base)]
+    if any(_WEIGHT_DIRS.match(rel) for rel in inside):
+        return []
+    where = source.location.raw
+    adapter = folder.has("adapter_config.json")
+    weights = (
+        "adapter weights (adapter_model.safetensors or adapter_model.bin) beside its "
+        "adapter_config.json"
+        if adapter
+        else "model weights (model.safetensors, pytorch_model.bin or their shards; under FSDP "
+        "pytorch_model_fsdp_0/ or pytorch_model_fsdp.bin)"
+    )
+    return [
+        Problem(
+            code="missing_weights",
+            message=f"{where}: no {weights}, which a Trainer save writes first: deleted or "
+            "lost since?",
+            file=source.storage.describe("adapter_model.safetensors") if adapter else where,
+            fix=_OTHER,
+        )
+    ]
 
 
 def _state_unknown(source: Source, folder: Folder) -> str | None:
@@ -295,7 +307,6 @@ def _state_unknown(source: Source, folder: Folder) -> str | None:
         or folder.matching(_RNG)
     ):
         return None
-    from ..runs import SLIM_RECORD
 
     if folder.has(SLIM_RECORD):
         return None
@@ -358,6 +369,12 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
     missing = [n for n in _TRAINER_STATE_FILES if not folder.has(n)]
     if fsdp:
         missing.remove("optimizer.pt")  # accelerate's `save_fsdp_optimizer` wrote it
+    elif "optimizer.pt" in missing:
+        # an FSDP model (`save_fsdp_model`) says accelerate's `save_fsdp_optimizer` saved the
+        # optimizer beside it, as its state-dict type names it: that is what was lost
+        fsdp_optimizer = _fsdp_optimizer_of(source, folder)
+        if fsdp_optimizer is not None:
+            missing[missing.index("optimizer.pt")] = fsdp_optimizer
     if not folder.matching(_RNG):
         # `_save_rng_state` writes `rng_state.pth` (`rng_state_{rank}.pth` from each process
         # of a multi-process run) with the optimizer and scheduler; `_load_rng_state` only
@@ -368,7 +385,6 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
         missing += [Trainer().rank_file_name(rank, world) for rank in range(world)]
     if not missing or _model_only(source, folder):
         return []
-    from ..runs import SLIM_RECORD
 
     if folder.has(SLIM_RECORD):
         return []  # `ckpt prune --slim-older-than` removed them on purpose: a weights-only save
@@ -399,7 +415,7 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
             if p.is_dir() and p != here and Trainer().step_of(p.name) is not None
         )
         for name in missing:
-            having = [p.name for p in siblings if (p / name).is_file()]
+            having = [p.name for p in siblings if (p / name).exists()]
             if having and name not in reasons:
                 reasons[name] = f"the sibling checkpoint {having[-1]} has one"
     where = loc.raw
@@ -413,7 +429,7 @@ def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
                 if re.fullmatch(_RNG, name)
                 else "this checkpoint cannot resume training where it stopped"
             ),
-            file=source.storage.describe(name),
+            file=source.storage.describe(name.rstrip("/")),
             fix=_OTHER + (_DROPPED if re.fullmatch(_RNG, name) else ""),
         )
         for name, why in reasons.items()
@@ -424,6 +440,18 @@ def _deepspeed(source: Source) -> bool:
     """Whether DeepSpeed saved the training state (`global_stepN/` beside the Trainer's files:
     only without `save_only_model`)."""
     return any(n.startswith("global_step") for n in source.files)
+
+
+def _fsdp_optimizer_of(source: Source, folder: Folder) -> str | None:
+    """The optimizer accelerate's `save_fsdp_optimizer` writes beside the FSDP model of this
+    checkpoint: `optimizer_0/` (DCP) beside SHARDED_STATE_DICT's `pytorch_model_fsdp_0/`,
+    `optimizer.bin` beside FULL_STATE_DICT's `pytorch_model_fsdp.bin`; None without an FSDP
+    model (a FULL_STATE_DICT Trainer save's `model.safetensors` does not say FSDP). Names only."""
+    if any(f.startswith(f"{folder.base}pytorch_model_fsdp_0/") for f in source.files):
+        return "optimizer_0/"
+    if folder.has("pytorch_model_fsdp.bin"):
+        return "optimizer.bin"
+    return None
 
 
 def _holds(folder: Folder, name: str) -> bool:

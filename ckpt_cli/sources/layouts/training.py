@@ -6,12 +6,16 @@ import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import CkptError
 from ...formats.base import Checkpoint
 from ...models import Entry, Manifest, OptimizerState, Problem, ProblemList, TrainingState
-from .base import REQUIRED, OpenedSource
+from .base import REQUIRED, OpenedSource, top_keys
+from .ranks import RANK_RNG_CODES
+
+if TYPE_CHECKING:
+    from .composite import Folder
 
 # --------------------------------------------------------------------------- analysis
 
@@ -495,16 +499,6 @@ def as_int(value: Any) -> int | None:
     return None
 
 
-def top_keys(manifest: Manifest) -> dict[str, str]:
-    """Top-level key -> the prefix of its entries (the real key, not the first dotted part)."""
-    out: dict[str, str] = {}
-    for e in manifest.entries:
-        key = e.top_key()
-        if key not in out:
-            out[key] = f"{key}." if e.name != key else key
-    return out
-
-
 def component_problems(opened: OpenedSource) -> list[Problem]:
     """Components that were found but could not be read (for a structural verify)."""
     return list(opened.problems)
@@ -656,7 +650,7 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
     opt_prefix = state.prefixes.get("optimizer")
     if opt_prefix is not None and opt_prefix.startswith("optim_states"):
         return []  # DeepSpeed ZeRO state covers flat partitions, not individual weights
-    pooled = _pooled_optimizers(opened.checkpoint)
+    pooled = _pooled_optimizers(opened.checkpoint, state.prefixes)
     if pooled is not None:
         models, optimizers = pooled
         available = Counter(
@@ -685,20 +679,27 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
     return problems
 
 
-def _pooled_optimizers(checkpoint: Checkpoint) -> tuple[list[str], list[str]] | None:
+def _pooled_optimizers(
+    checkpoint: Checkpoint, prefixes: dict[str, str]
+) -> tuple[list[str], list[str]] | None:
     """(model prefixes, optimizer prefixes) of several prepared models whose optimizers are
     `torch.optim` state dicts (parameter ids, not FQNs): accelerate numbers models and
     optimizers apart, so every optimizer's state is fitted to the weights of all the models
-    (`all_models`); None otherwise (one model, or FSDP's per-model optimizers)."""
+    (`all_models`); None otherwise (one model, or FSDP's per-model optimizers). The models
+    are the components `model`, `model_1`..., or those the layout's `prefixes` number so (the
+    models a save hook wrote instead of accelerate: a DreamBooth run's `unet/` and
+    `text_encoder/`, both stepped by one optimizer)."""
     keys = top_keys(checkpoint.manifest)
-    models = numbered_keys(keys, "model")
+    models = [keys[m] for m in numbered_keys(keys, "model")]
+    if len(models) < 2:
+        models = [prefixes[m] for m in numbered_keys(prefixes, "model")]
     optimizers = numbered_keys(keys, "optimizer")
     if len(models) < 2 or not optimizers:
         return None
     views = [analyse_optimizer(checkpoint, keys[o]) for o in optimizers]
     if any(v is not None and v.by_fqn for v in views):
         return None
-    return [keys[m] for m in models], [keys[o] for o in optimizers]
+    return models, [keys[o] for o in optimizers]
 
 
 #: the fix of optimizer state that does not fit the weights saved beside it
@@ -848,3 +849,40 @@ def _pair_shape_problems(
             )
         )
     return problems
+
+
+def finish(
+    checkpoint: Checkpoint, state: TrainingState, folder: Folder | None = None
+) -> OpenedSource:
+    """The end of a layout's `open`: `state`'s verdict given, with what `folder` (the one the
+    layout read its components through) found unreadable or lost; a rank's lost part makes the
+    save not resumable, a rank's lost RNG states not exactly."""
+    if folder is not None:
+        state.unreadable = dict(folder.unreadable)
+        # a rank's RNG file the save before held (`ranks_lost_since`) was lost, not perhaps on
+        # another node's disk: one problem for the file, the certain one
+        certain = {p.file for p in folder.problems if p.code == "missing_rank_rng"}
+        folder.problems = [
+            p for p in folder.problems if not (p.code == "rank_rng_elsewhere" and p.file in certain)
+        ]
+    verdict(state)
+    lost = [p.file for p in folder.problems if p.code == "missing_rank_file"] if folder else []
+    if lost:
+        # no resume without every rank's part: a missing shard, not an inexact resume
+        state.missing.append(f"every rank's file ({len(lost)} missing)")
+        state.resumable = state.exact = False
+    rng = [p.file for p in folder.problems if p.code in RANK_RNG_CODES] if folder else []
+    if rng:
+        # the loaders go on without a rank's RNG states: resumable, never exactly
+        state.missing_exact.append(f"every rank's RNG states ({len(rng)} missing)")
+        state.exact = False
+    if folder is None:
+        return OpenedSource(checkpoint=checkpoint, training=state)
+    return OpenedSource(
+        checkpoint=checkpoint,
+        training=state,
+        problems=list(folder.problems),
+        parts=dict(folder.parts),
+        unreadable=dict(folder.unreadable_parts),
+        listed_files=dict(folder.listed_files),
+    )

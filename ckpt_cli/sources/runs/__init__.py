@@ -52,8 +52,9 @@ Package layout: `records` (what a scan reports), `naming` (how checkpoints are n
 set for every listing, step names from each layout's `step_of`), `judge` (the one judge:
 complete / interrupted / writing, each component's `Format.check`, every read through the run
 folder's `Storage`), `scan` (the one scanner: ordering, early stop, markers, Trainer best,
-metrics) over a `RunListing`: `local` (`scan_run`: the file system, links seen) or `remote`
-(object stores and the Hub: one `Storage` listing). The same checkpoint gets the same verdict
+metrics) over a `RunListing` (`listing`: what a run folder holds, as a listing tells it):
+`local` (`scan_run`: the file system, links seen) or `remote` (object stores and the Hub: one
+`Storage` listing). The same checkpoint gets the same verdict
 and the same reason on a disk, in an object store and on the Hub.
 """
 
@@ -62,13 +63,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ...formats.names import SLIM_RECORD
 from .records import (
     DEFAULT_SETTLE,
     DELETING,
     METRICS_FILE,
     PROTECTED,
     RUN_SLIM_RECORD,
-    SLIM_RECORD,
     BestMetric,
     RunCheckpoint,
     RunReport,

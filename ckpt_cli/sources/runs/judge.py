@@ -6,7 +6,7 @@ Every file is read through the run folder's `Storage` (a folder on this machine,
 store, the Hub): each component is checked by its format's `check` (the one `ckpt verify`
 runs: metadata and file sizes, never tensor data) on a view of its folder, over the run's one
 listing, so the same checkpoint gets the same verdict and the same message wherever it lies.
-What differs between storages is only what their listing tells (`scan.RunListing`): links
+What differs between storages is only what their listing tells (`listing.RunListing`): links
 exist on this machine only, and an object store's times come from its listing.
 """
 
@@ -24,7 +24,7 @@ from ...budgets import json_record_over_budget, read_member
 from ...errors import CkptError, HubError, UsageError, with_fix
 from ...faults import no_verdict
 from ...formats.base import Source
-from ...formats.names import INDEX_SUFFIX, holds_dcp, index_format, weight_format
+from ...formats.names import INDEX_SUFFIX, SLIM_RECORD, holds_dcp, index_format, weight_format
 from ...formats.sniff import SNIFF_BYTES, is_pickle, what_is
 from ...formats.weight_map import load_index_json
 from ...storage import (
@@ -51,7 +51,6 @@ from .records import (
     METRICS_FILE,
     PROTECTED,
     RUN_SLIM_RECORD,
-    SLIM_RECORD,
     BestMetric,
     Found,
     RunCheckpoint,
@@ -61,7 +60,7 @@ from .records import (
 if TYPE_CHECKING:
     from ..layouts import Layout
     from ..layouts.composite import Folder
-    from .scan import RunListing
+    from .listing import RunListing
 
 # --------------------------------------------------------------------------- judging
 
@@ -549,13 +548,13 @@ def _ranks_dropped_since(
 ) -> Unfinished | None:
     """A save lacking per-rank files (`Layout.rank_files`: accelerate's `random_states_{r}.pkl`)
     which the run's save before it holds, of ranks its own files leave in doubt
-    (`composite.ranks_lost_since`): above the highest its files name (a plain multi-process
+    (`ranks.ranks_lost_since`): above the highest its files name (a plain multi-process
     save that lost its highest rank's RNG states looks like a smaller run's on its own:
     nothing in it records the world size), or below the lowest (rank 0's: a run of any size
     writes it; alone, the save looks like one node's folder on node-local disks, whose save
     before holds no other node's files either). Ranks its files say are lost for certain
     are `missing_rank_states`'. A save with none of its own is `_unfinished`'s."""
-    from ..layouts.composite import ranks_lost_since, saved_world
+    from ..layouts.ranks import ranks_lost_since, saved_world
 
     if before is None:
         return None
@@ -607,10 +606,10 @@ def _unfinished(
     layout's, when another save of the run holds such a file (this one's files are not among
     `run_files`' matches: it has none), at any number of saves. A save whose per-rank last
     files (accelerate's `random_states_{r}.pkl`, one per process) are fewer than its own
-    files say processes saved it (`composite.missing_rank_states`) is unfinished too, and in
+    files say processes saved it (`ranks.missing_rank_states`) is unfinished too, and in
     any layout with per-rank files (the Trainer's `rng_state_{r}.pth` too) one lacking a rank
     above its own highest, or rank 0, that the save before it holds (`_ranks_dropped_since`)."""
-    from ..layouts.composite import missing_rank_states
+    from ..layouts.ranks import missing_rank_states
 
     lost = missing_rank_states(folder.source, folder, layout)
     if not any(p.severity == "error" for p in lost):

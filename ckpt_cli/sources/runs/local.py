@@ -19,10 +19,11 @@ from ...faults import no_verdict
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, is_checkpoint_file
 from ...storage import LocalStorage, Storage, is_parity_path
+from .listing import RunListing
 from .naming import SUBFOLDERS, collect, holds_run, in_parity, match_name, refuse_run_of_runs
 from .records import DEFAULT_SETTLE, Found, RunCheckpoint, RunReport
 from .remote import RemoteListing, is_remote, looks_like_remote_run
-from .scan import RunListing, scan
+from .scan import scan
 
 
 def scan_run(

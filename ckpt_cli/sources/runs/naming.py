@@ -5,16 +5,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from ...errors import UsageError
-from ...formats.names import SAFETENSORS_SUFFIX, TORCH_SUFFIXES, holds_dcp, is_checkpoint_file
+from ...formats.names import (
+    SAFETENSORS_SUFFIX,
+    SLIM_RECORD,
+    TORCH_SUFFIXES,
+    holds_dcp,
+    is_checkpoint_file,
+)
 from ...storage import is_parity_path
 from ...storage.output import OLD_MARKER, TMP_MARKER
-from .records import CHECKSUM_MANIFEST, SLIM_RECORD, Found
+from .records import CHECKSUM_MANIFEST, Found
 
 if TYPE_CHECKING:
     from ..layouts import Layout
@@ -221,19 +226,6 @@ def deepspeed_step(tag: str | None) -> int | None:
     return int_or_none(tag.removeprefix("global_step")) if tag else None
 
 
-def step_order(
-    step: int | None, epoch: float | None, mtime: float, save_number: int | None = None
-) -> tuple[float, float, float, float]:
-    """Newest-first order known before judging: step, epoch, the number of a name that counts
-    saves (`Found.save_number`), then the entry's own time."""
-    return (
-        float(step) if step is not None else -math.inf,
-        epoch if epoch is not None else -math.inf,
-        float(save_number) if save_number is not None else -math.inf,
-        mtime,
-    )
-
-
 def counts_saves(layout: str, name: str) -> bool:
     """Whether `name` is a layout's step folder whose number counts saves, not steps."""
     return any(
@@ -351,6 +343,30 @@ def holds_deepspeed_states(folder: str, files: Iterable[str]) -> bool:
     return bool(deepspeed_states_in(folder, files))
 
 
+#: the files only accelerate's `save_state` writes into every save (each process's RNG
+#: states), and those only the Trainer writes (its own marker, optimizer, scheduler, RNG states)
+_ACCELERATE_RNG = re.compile(r"random_states_\d+\.pkl")
+_TRAINER_STATE = re.compile(r"trainer_state\.json|optimizer\.pt|scheduler\.pt|rng_state.*\.pth")
+
+
+def _holds_accelerate_state(folder: str, files: Iterable[str]) -> bool:
+    """Whether a `checkpoint-N/` folder is an accelerate `save_state` save, not a Trainer's:
+    the diffusers training scripts name theirs so (`output_dir/checkpoint-{global_step}`).
+    It holds none of the Trainer's files, and accelerate's RNG states or the model a save
+    hook wrote (`unet/`, `pytorch_lora_weights.safetensors`: what is left of a save cut short
+    before accelerate's files, or `ckpt prune --slim-older-than` slimmed). An FSDP Trainer
+    save cut short before its RNG states (`optimizer.bin` beside `pytorch_model_fsdp.bin`)
+    holds neither, and stays the Trainer's."""
+    from ..layouts.accelerate import holds_hook_model
+
+    inside = f"{folder}/"
+    names = {rel[len(inside) :] for rel in files if rel.startswith(inside)}
+    top = [n for n in names if "/" not in n]
+    if any(_TRAINER_STATE.fullmatch(n) for n in top):
+        return False
+    return any(_ACCELERATE_RNG.fullmatch(n) for n in top) or holds_hook_model(names)
+
+
 def by_content(item: Found, files: Iterable[str]) -> Found:
     """`item` with the layout its `files` (paths relative to the run) show, where its name says
     another:
@@ -361,10 +377,14 @@ def by_content(item: Found, files: Iterable[str]) -> Found:
       settle time), never trusted as a DCP;
     - a DeepSpeed save when a plain `NAME_N/` folder holds DeepSpeed's model states: a tag of
       the user's own (`save_checkpoint(dir, tag=f"step_{n}")`), judged as a `global_stepN/`
-      is (every rank's ZeRO partition, the `latest` file).
+      is (every rank's ZeRO partition, the `latest` file);
+    - an accelerate save when a `checkpoint-N/` folder holds accelerate's `save_state` files
+      and none of the Trainer's (`_holds_accelerate_state`): the diffusers training scripts'.
     """
     if not item.is_dir or item.temporary:
         return item
+    if item.layout == "hf-trainer" and _holds_accelerate_state(item.rels[0], files):
+        return dataclasses.replace(item, layout="accelerate")
     if item.layout == "plain":
         if holds_deepspeed_states(item.rels[0], files):
             return dataclasses.replace(item, layout="deepspeed")
@@ -415,12 +435,21 @@ def part_names(files: Mapping[str, int], folder: str, layout: str | None = None)
     states, `rng_state.pth` of a one-process save or `rng_state_{rank}.pth` of a multi-process
     one, another: `TRAINER_RNG` (a run resumed on another number of processes is whole).
 
+    In the folders of unmarked layouts (accelerate), each model a save hook wrote into a
+    subfolder of its own with `save_pretrained` is one part, `unet/` (`saved_model_folders`).
+
     ckpt's own checksum manifest is not a part: `verify --write-manifest` and a pull add it
     to some saves after they were made, and a run resumed on a pulled folder writes its new
     saves without it (which were "incomplete: lacks ckpt-manifest.json" and never synced)."""
     start = f"{folder}/"
     names = [rel[len(start) :] for rel in files if rel.startswith(start)]
     parts = {_DIGITS.sub("*", n) for n in names if "/" not in n and n != CHECKSUM_MANIFEST}
+    if layout in UNMARKED:
+        from ..layouts.model_folders import saved_model_folders
+
+        # a model a `save_state` pre-hook saved with `save_pretrained` (the diffusers scripts'
+        # `unet/`): a part, whose folder a save that lost it lacks
+        parts |= {f"{sub}/" for sub, _ in saved_model_folders(set(names))}
     if layout == "hf-trainer":
         weights = {
             _DIGITS.sub("*", n) for n in names if "/" not in n and _TRAINER_WEIGHT_FILE.match(n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,8 +46,6 @@ def still_deleting(pid: int) -> bool:
 PROTECTED = "protected"
 #: metric file read from the run folder
 METRICS_FILE = "metrics.jsonl"
-#: written into a checkpoint folder that `prune --slim-older-than` slimmed to its weights
-SLIM_RECORD = "ckpt-slim.json"
 #: the run folder's record of slimmed single-file checkpoints (name -> size, mtime_ns...)
 RUN_SLIM_RECORD = ".ckpt-slim.json"
 #: ckpt's checksum manifest of a checkpoint: inside its folder, or `NAME.ckpt-manifest.json`
@@ -140,9 +139,20 @@ class RunCheckpoint(Record):
     @property
     def order(self) -> tuple[float, float, float, float]:
         """Sort key: step, then epoch, then save number, then time (unknown ones sort first)."""
-        from .naming import step_order
-
         return step_order(self.step, self.epoch, self.mtime, self.save_number)
+
+
+def step_order(
+    step: int | None, epoch: float | None, mtime: float, save_number: int | None = None
+) -> tuple[float, float, float, float]:
+    """Newest-first order known before judging: step, epoch, the number of a name that counts
+    saves (`Found.save_number`), then the entry's own time."""
+    return (
+        float(step) if step is not None else -math.inf,
+        epoch if epoch is not None else -math.inf,
+        float(save_number) if save_number is not None else -math.inf,
+        mtime,
+    )
 
 
 class BestMetric(Record):

@@ -16,9 +16,9 @@ from ...errors import NotFoundError, UsageError
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA, INDEX_SUFFIX
 from ...storage import Storage
+from .listing import RunListing
 from .naming import SUBFOLDERS, collect, holds_run, in_parity, refuse_run_of_runs
 from .records import SYNC_RECORD, Found, checksum_manifest_of
-from .scan import RunListing
 
 
 def is_remote(run_dir: str | Path | Source) -> bool:
