@@ -219,3 +219,64 @@ def test_time_rules_on_a_hub_run_folder_without_times_are_refused(
     assert [c["mtime"] for c in table["checkpoints"]] == [None, None, None]
     shown = run_ckpt("inspect", "hf://org/run")
     assert "ago" not in shown.stdout and "unknown" in shown.stdout
+
+
+def test_latest_of_a_hub_repo_a_trainer_pushes_its_last_checkpoint_to(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """`push_to_hub=True, hub_strategy="checkpoint"`: each save uploads the model to the repo's
+    root and the whole save to `last-checkpoint/`, the folder `resume_from_checkpoint` is given.
+    Its name holds no step, and `ckpt latest hf://org/run` said "no step checkpoints found"
+    (exit 3): the save to resume from is found, at the step its trainer_state.json records."""
+    from .run_fixtures import trainer_checkpoint
+
+    save = tmp_path / "output" / "checkpoint-300"
+    trainer_checkpoint(save, 300)
+    pushed = {f"last-checkpoint/{p.name}": p.read_bytes() for p in save.iterdir()}
+    pushed["model.safetensors"] = (save / "model.safetensors").read_bytes()
+    hub.add_repo("org/run", pushed)
+    latest = run_ckpt("latest", "hf://org/run", "--json")
+    assert latest.exit_code == 0, latest.stdout
+    report = latest.json["result"]
+    assert report["latest"] == "hf://org/run/last-checkpoint"
+    (found,) = report["checkpoints"]
+    assert (found["layout"], found["step"], found["status"]) == ("hf-trainer", 300, "complete")
+    # the model at the root is still the repo's model
+    inspected = run_ckpt("inspect", "hf://org/run", "--json").json["result"]
+    assert inspected["format"] == "safetensors"
+    # and the save comes down to resume from, whole
+    fresh = tmp_path / "fresh"
+    pulled = run_ckpt("sync", "hf://org/run", fresh, "--latest", "--json")
+    assert pulled.exit_code == 0, pulled.stdout
+    (done,) = pulled.json["result"]["checkpoints"]
+    assert (done["name"], done["action"]) == ("last-checkpoint", "downloaded")
+    for path in save.iterdir():
+        assert (fresh / "last-checkpoint" / path.name).read_bytes() == path.read_bytes()
+    assert run_ckpt("latest", fresh).stdout.strip() == str(fresh / "last-checkpoint")
+
+    # a push cut short before trainer_state.json (the Trainer writes it last) is no save to
+    # resume from, and says why
+    cut = {k: v for k, v in pushed.items() if not k.endswith("trainer_state.json")}
+    hub.add_repo("org/cut", cut)
+    refused = run_ckpt("latest", "hf://org/cut", "--json")
+    assert refused.exit_code == 3, refused.stdout
+    (judged,) = refused.json["result"]["checkpoints"]
+    assert judged["name"] == "last-checkpoint" and "trainer_state.json" in judged["reason"]
+
+
+def test_a_local_last_checkpoint_copy_beside_the_trainer_saves_is_not_a_save(
+    tmp_path: Path,
+) -> None:
+    """transformers before 4.36 also copied the newest save to `output_dir/last-checkpoint/`
+    when pushing: the Trainer resumes from `checkpoint-N/` only, so `latest` names that and
+    `prune --keep-last 1` keeps it, never the copy in its place."""
+    import shutil
+
+    out = trainer_run(tmp_path, steps=(100, 200))
+    shutil.copytree(out / "checkpoint-200", out / "last-checkpoint")
+    latest = run_ckpt("latest", out)
+    assert latest.stdout.strip() == str(out / "checkpoint-200"), latest.stderr
+    plan = run_ckpt("prune", out, "--keep-last", "1", "--json")
+    assert plan.exit_code == 0, plan.stdout
+    actions = {d["name"]: d["action"] for d in plan.json["result"]["decisions"]}
+    assert actions == {"checkpoint-100": "delete", "checkpoint-200": "keep"}

@@ -4,7 +4,7 @@
 
 | layout | what is recognised |
 |---|---|
-| `hf-trainer` | `checkpoint-N/` (Hugging Face Trainer) |
+| `hf-trainer` | `checkpoint-N/` (Hugging Face Trainer); in a run with none, the `last-checkpoint/` it pushes to the Hub (`hub_strategy="checkpoint"`), at the step its `trainer_state.json` records |
 | `accelerate` | `checkpoints/checkpoint_N/` (accelerate `save_state` with automatic naming) |
 | `torchtitan` | `step-N/`, also under `checkpoint/` (torchtitan's default folder) |
 | `deepspeed` | `global_stepN/`, with the `latest` file naming the last finished save |

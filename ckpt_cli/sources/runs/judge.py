@@ -728,6 +728,22 @@ def deepspeed_states_step(storage: Storage, tag: str, files: Mapping[str, int]) 
         return None
 
 
+def trainer_state_step(storage: Storage, folder: str, files: Mapping[str, int]) -> int | None:
+    """The step a Trainer save records in its `trainer_state.json` (`global_step`): the step of
+    a save whose folder name holds none (`last-checkpoint/`). None when it has no such file or
+    it cannot be read (the judge then says what is wrong with it)."""
+    rel = f"{folder}/trainer_state.json"
+    if rel not in files or json_record_over_budget(files[rel]) is not None:
+        return None
+    try:
+        doc = json.loads(storage.read_all(rel))
+    except (ValueError, OSError, RecursionError, CkptError) as exc:
+        no_verdict(exc)  # the store or the OS refused: no verdict on the file
+        return None
+    step = doc.get("global_step") if isinstance(doc, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
 def json_number(value: object) -> float | None:
     """A number read from JSON a trainer wrote, as a float; None for anything else (a string
     such as "NaN", a bool, null, an int past a float's range: the file is hand-edited or

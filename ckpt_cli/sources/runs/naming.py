@@ -349,6 +349,21 @@ _ACCELERATE_RNG = re.compile(r"random_states_\d+\.pkl")
 _TRAINER_STATE = re.compile(r"trainer_state\.json|optimizer\.pt|scheduler\.pt|rng_state.*\.pth")
 
 
+#: the folder a Trainer with `push_to_hub=True, hub_strategy="checkpoint"` uploads its newest
+#: save to (the Hub repo's `last-checkpoint/`, which `resume_from_checkpoint` is pointed at):
+#: its name holds no step, its `trainer_state.json` does
+TRAINER_LAST_CHECKPOINT = "last-checkpoint"
+
+
+def holds_trainer_save(folder: str, files: Iterable[str]) -> bool:
+    """Whether `folder` of a run holds a Trainer save's own files at its top (its
+    `trainer_state.json`, optimizer, scheduler or RNG states), whatever the folder is named."""
+    inside = f"{folder}/"
+    return any(
+        rel.startswith(inside) and _TRAINER_STATE.fullmatch(rel[len(inside) :]) for rel in files
+    )
+
+
 def _holds_accelerate_state(folder: str, files: Iterable[str]) -> bool:
     """Whether a `checkpoint-N/` folder is an accelerate `save_state` save, not a Trainer's:
     the diffusers training scripts name theirs so (`output_dir/checkpoint-{global_step}`).

@@ -26,14 +26,17 @@ from .judge import (
     judge_found,
     newest_trainer_state,
     read_deepspeed_latest,
+    trainer_state_step,
 )
 from .listing import RunListing
 from .naming import (
     COMPARED,
+    TRAINER_LAST_CHECKPOINT,
     by_content,
     deepspeed_step,
     expected_parts,
     holds_deepspeed_states,
+    holds_trainer_save,
     leave_out_strays,
     part_names,
     save_parts,
@@ -123,6 +126,7 @@ def scan(
     items = [by_content(item, run.files(item)) for item in candidates]
     ds_latest = read_deepspeed_latest(run.storage)
     items += _unnamed_step_tag(run, items, ds_latest)
+    items += _trainer_last_checkpoint(run, items)
     ds_step = deepspeed_step(ds_latest)
     if ds_step is None and ds_latest:
         # a tag of the user's own (`step_500`): the step of the save it names
@@ -218,6 +222,26 @@ def _unnamed_step_tag(run: RunListing, items: list[Found], tag: str | None) -> l
     if not holds_deepspeed_states(tag, files):
         return []
     return [dataclasses.replace(found, step=deepspeed_states_step(run.storage, tag, files))]
+
+
+def _trainer_last_checkpoint(run: RunListing, items: list[Found]) -> list[Found]:
+    """The `last-checkpoint/` a Trainer pushes to the Hub with `hub_strategy="checkpoint"`, as
+    a Trainer save at the step its `trainer_state.json` records: no naming rule finds it (its
+    name holds no step), so `ckpt latest hf://org/run` of such a repo found no checkpoint at
+    all. Only where the run holds no `checkpoint-N/` of its own: older transformers also copied
+    the newest save there in the local `output_dir`, and `resume_from_checkpoint=True` (the
+    Trainer's `get_last_checkpoint`) looks for `checkpoint-N/` only, so that copy is no save
+    `latest` may name or `prune` keep in place of one."""
+    if run.top_entries().get(TRAINER_LAST_CHECKPOINT) is not True:
+        return []
+    if any(i.layout == "hf-trainer" or i.rels[0] == TRAINER_LAST_CHECKPOINT for i in items):
+        return []
+    found = Found("hf-trainer", None, None, [TRAINER_LAST_CHECKPOINT], True)
+    files = run.files(found)
+    if not holds_trainer_save(TRAINER_LAST_CHECKPOINT, files):
+        return []
+    step = trainer_state_step(run.storage, TRAINER_LAST_CHECKPOINT, files)
+    return [dataclasses.replace(found, step=step)]
 
 
 def _metrics_file(storage: Storage) -> tuple[str, str]:
