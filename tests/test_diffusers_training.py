@@ -20,6 +20,7 @@ import torch
 from .conftest import run_ckpt
 from .model_fixtures import tiny_clip_text_encoder, tiny_unet
 from .run_fixtures import age
+from .s3_fixtures import S3Server, upload_folder
 
 STEPS = (100, 200, 300)
 
@@ -157,6 +158,31 @@ def test_a_save_that_lost_its_model_or_optimizer_is_incomplete(
     pruned = run_ckpt("prune", run, "--incomplete", "--yes")
     assert pruned.exit_code == 0, pruned.stderr
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-200", "checkpoint-300"]
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_save_in_s3_that_lost_its_model_whole_is_incomplete_there_too(
+    kind: str, full_run: Path, lora_run: Path, s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The hook's whole `unet/` (or its LoRA file) gone from the newest of two saves: only the
+    save before it can tell. On disk `verify` failed it and `latest` passed it over; the same
+    two saves uploaded to S3 were "OK" and named latest (the run judge compares names across
+    three saves or more, and a save verified on its own was compared on disk only)."""
+    run = _copy(full_run if kind == "full" else lora_run, tmp_path)
+    shutil.rmtree(run / "checkpoint-100")
+    lost = (
+        run / "checkpoint-300" / ("unet" if kind == "full" else "pytorch_lora_weights.safetensors")
+    )
+    shutil.rmtree(lost) if lost.is_dir() else lost.unlink()
+    upload_folder(s3_server.endpoint, "ckpts", "run", run)
+    for where in (str(run), "s3://ckpts/run"):
+        verify = run_ckpt("verify", f"{where}/checkpoint-300", "--json")
+        assert verify.exit_code == 1, (where, verify.stdout)
+        (problem,) = verify.json["result"]["problems"]
+        assert problem["code"] == "missing_component", where
+        assert "the save before it (checkpoint-200)" in problem["message"], where
+        latest = run_ckpt("latest", where, "--settle", "0")
+        assert latest.stdout.strip() == f"{where}/checkpoint-200", (where, latest.stderr)
 
 
 def test_convert_select_unet_writes_the_folder_from_pretrained_loads_bit_exact(

@@ -280,3 +280,32 @@ def test_a_local_last_checkpoint_copy_beside_the_trainer_saves_is_not_a_save(
     assert plan.exit_code == 0, plan.stdout
     actions = {d["name"]: d["action"] for d in plan.json["result"]["decisions"]}
     assert actions == {"checkpoint-100": "delete", "checkpoint-200": "keep"}
+
+
+def test_a_save_verified_in_s3_or_on_the_hub_is_held_to_the_save_before_it_as_on_disk(
+    s3_server: S3Server, hub: TestHub, tmp_path: Path
+) -> None:
+    """A 2-process Trainer run keeps `rng_state_0.pth` and `rng_state_1.pth` in every save;
+    one save lost rank 1's. Only the save before it can tell, and `ckpt verify` of the save
+    alone compared it with that save on disk only: the same files in S3 or on the Hub were
+    "OK". Each now gets the verdict the folder on disk gets (`Storage.beside`)."""
+    from .run_fixtures import trainer_checkpoint
+
+    run = tmp_path / "out"
+    for step in (100, 200):
+        save = run / f"checkpoint-{step}"
+        trainer_checkpoint(save, step)
+        (save / "rng_state.pth").rename(save / "rng_state_0.pth")  # what each rank writes
+        torch.save({"cpu": torch.random.get_rng_state()}, save / "rng_state_1.pth")
+    (run / "checkpoint-200" / "rng_state_1.pth").unlink()
+    upload_folder(s3_server.endpoint, "ckpts", "run", run)
+    hub.add_repo("org/run", run)
+    for where in (run, "s3://ckpts/run", "hf://org/run"):
+        checked = run_ckpt("verify", f"{where}/checkpoint-200", "--json")
+        assert checked.exit_code == 1, (where, checked.stdout)
+        (problem,) = checked.json["result"]["problems"]
+        assert problem["code"] == "missing_rank_rng", where
+        assert problem["file"].endswith("checkpoint-200/rng_state_1.pth"), where
+        assert "the save before it (checkpoint-100)" in problem["message"], where
+        # the save before it, whole, is held to nothing older: OK wherever it is
+        assert run_ckpt("verify", f"{where}/checkpoint-100").exit_code == 0, where

@@ -11,8 +11,9 @@ Formats read through a `Storage` and never build paths themselves, so that
 from __future__ import annotations
 
 import io
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
@@ -68,6 +69,22 @@ class RemoteFile:
 
 
 @dataclass(frozen=True)
+class Beside:
+    """The folders beside a storage's root in its parent folder: where a run's other saves
+    are, for the rules that compare a save with the one before it.
+
+    Attributes:
+        name: the name of the root's own folder (`checkpoint-300`).
+        folders: the names of the folders in its parent, its own included.
+        open: a storage rooted at one of `folders`.
+    """
+
+    name: str
+    folders: tuple[str, ...]
+    open: Callable[[str], Storage]
+
+
+@dataclass(frozen=True)
 class FileStat:
     """One file of a listing: its size, and when it was last written when the storage knows.
 
@@ -117,7 +134,8 @@ class Storage(ABC):
     * `s3_filesystem()`: the s3fs filesystem through which the storage talks to S3 (or an
       S3-compatible store), whose client takes S3's own requests (`call_s3`), or None;
     * `modified()`: a file's modification time when the listing reports one, else None;
-    * `local_path()`: a file's path on this machine (local folders, cached Hub files), or None.
+    * `local_path()`: a file's path on this machine (local folders, cached Hub files), or None;
+    * `beside()`: the folders beside the root in its parent (a run's other saves), or None.
 
     The write side, for storages that declare `writable` (local folders, object stores):
 
@@ -269,6 +287,13 @@ class Storage(ABC):
     def describe(self, rel: str) -> str:
         """How to name a file of this storage in messages."""
         return f"{self.display.rstrip('/')}/{rel}"
+
+    def beside(self) -> Beside | None:
+        """The folders beside this storage's root in its parent (a run's other saves, for a
+        save verified on its own), listed with one request where the storage is remote. None
+        where the root has no parent folder, or the parent may not be listed (a store that
+        grants this prefix only): what would be compared with them is then not."""
+        return None
 
     def subfolder(self, rel: str) -> Storage:
         """A storage rooted at the subfolder `rel` (a component folder).
@@ -429,5 +454,38 @@ class FolderView(Storage):
     def describe(self, rel: str) -> str:
         return self.parent.describe(self._rel(rel))
 
+    def beside(self) -> Beside | None:
+        # the parent's listing (a run folder's, listed once) names the folders beside this one
+        up, _, name = self.prefix.rpartition("/")
+        start = f"{up}/" if up else ""
+        folders = _folders_of(self.parent, start)
+        return Beside(
+            name,
+            tuple(sorted(folders)),
+            lambda other: FolderView(self.parent, f"{start}{other}", folders.get(other, {})),
+        )
+
     def subfolder(self, rel: str) -> Storage:
         return FolderView(self.parent, self._rel(rel), self._listing)
+
+
+#: each parent storage's listing grouped by the folders under one of its prefixes (the views
+#: of a run's saves each ask for the same grouping; grouped once, not once per save judged)
+_GROUPED: weakref.WeakKeyDictionary[Storage, dict[str, dict[str, dict[str, int]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _folders_of(parent: Storage, start: str) -> dict[str, dict[str, int]]:
+    """The folders directly under `start` (a prefix ending in `/`, or "") of `parent`'s
+    listing, each with its files (paths relative to `parent`, as a `FolderView` lists)."""
+    grouped = _GROUPED.setdefault(parent, {})
+    if start not in grouped:
+        folders: dict[str, dict[str, int]] = {}
+        for rel, size in parent.list_files().items():
+            if rel.startswith(start):
+                name, slash, _rest = rel[len(start) :].partition("/")
+                if slash:
+                    folders.setdefault(name, {})[rel] = size
+        grouped[start] = folders
+    return grouped[start]

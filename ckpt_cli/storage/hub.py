@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..errors import CkptError, FormatError, HubError, NotFoundError
-from .base import TRUNCATED_FIX, RemoteFile, Storage, StorageRangeFile, is_parity_path
+from .base import (
+    TRUNCATED_FIX,
+    Beside,
+    RemoteFile,
+    Storage,
+    StorageRangeFile,
+    is_parity_path,
+)
 from .heads import WHOLE_FILE_MAX, HeadCache, HeadRead
 from .hub_repo import (
     READ_RETRIES,
@@ -135,6 +142,26 @@ class HubStorage(Storage):
 
     def describe(self, rel: str) -> str:
         return self.repo.display(rel)
+
+    def beside(self) -> Beside | None:
+        location = self.repo.location
+        if not location.subfolder:
+            return None  # the repository's root: no folder beside it
+        up, _, name = location.subfolder.rpartition("/")
+        # the same commit, listed from the folder above (the repository's files under it)
+        parent = HubStorage(
+            open_repo(
+                replace(
+                    location,
+                    raw=self.repo.pinned().rpartition("/")[0],
+                    subfolder=up,
+                    revision=self.repo.commit,
+                ),
+                self.repo.settings,
+            )
+        )
+        folders = {rel.split("/", 1)[0] for rel in parent.list_files() if "/" in rel}
+        return Beside(name, tuple(sorted(folders)), parent.subfolder)
 
     def local_path(self, rel: str) -> Path | None:
         cached = self.repo.cached_path(safe_relpath(rel, source=self.display))

@@ -23,6 +23,7 @@ from ..faults import naming
 from .base import (
     FILE_GONE_FIX,
     TMP_MARKER,
+    Beside,
     FileStat,
     Storage,
     is_parity_path,
@@ -261,6 +262,16 @@ class LocalStorage(Storage):
     @property
     def local_root(self) -> Path | None:
         return self.root
+
+    def beside(self) -> Beside | None:
+        # the folder a linked save resolves to is the save: its siblings are beside that
+        here = self.root.resolve()
+        try:
+            with os.scandir(here.parent) as entries:
+                folders = tuple(sorted(e.name for e in entries if e.is_dir()))
+        except OSError:
+            return None  # an unreadable parent: nothing to compare with
+        return Beside(here.name, folders, lambda name: LocalStorage(here.parent / name))
 
     def subfolder(self, rel: str) -> Storage:
         return LocalStorage(self.path(rel), self._versions)

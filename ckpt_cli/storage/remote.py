@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import FormatError, HubError, NotFoundError, UsageError
-from .base import FILE_GONE_FIX, TMP_MARKER, TRUNCATED_FIX, Storage, file_chunks, is_parity_path
+from .base import (
+    FILE_GONE_FIX,
+    TMP_MARKER,
+    TRUNCATED_FIX,
+    Beside,
+    Storage,
+    file_chunks,
+    is_parity_path,
+)
 from .heads import HEAD_WORKERS, WHOLE_FILE_MAX, HeadCache, HeadRead
 from .relpath import safe_relpath
 from .remote_replies import listing_time, refusal_code, remote_failure
@@ -293,6 +301,30 @@ class FsspecStorage(Storage):
                 # a read-ahead nobody will use: its failure does not matter
                 with contextlib.suppress(Exception):
                     future.result()
+
+    def beside(self) -> Beside | None:
+        parent, _, name = self.root.rpartition("/")
+        if not parent or not name:
+            return None  # a bucket's root: no folder beside it
+        shown = self.display.rstrip("/").rpartition("/")[0]
+        try:
+            entries = self.fs.ls(parent, detail=True)  # one listing, by delimiter
+        except (PermissionError, FileNotFoundError):
+            return None  # a store that grants this prefix only: nothing to compare with
+        except Exception as exc:
+            raise remote_failure(exc, shown) from None
+        folders = tuple(
+            sorted(
+                str(e["name"]).rstrip("/").rpartition("/")[2]
+                for e in entries
+                if e.get("type") == "directory"
+            )
+        )
+        return Beside(
+            name,
+            folders,
+            lambda other: FsspecStorage(self.fs, f"{parent}/{other}", f"{shown}/{other}"),
+        )
 
     def subfolder(self, rel: str) -> Storage:
         rel = safe_relpath(rel, source=self.display)

@@ -19,7 +19,6 @@ names (the FQNs inside differ only by what the model calls its parameters).
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from ...formats.base import Source
 from ...formats.names import (
@@ -43,6 +42,7 @@ from .composite import (
 )
 from .model_folders import saved_model_folders
 from .ranks import missing_rank_files, missing_rank_states, ranks_lost_since, saved_world
+from .save_before import save_before
 from .training import all_models, analyse, finish, per_rank_models, value_of, weights_summary
 
 _RNG = r"random_states_\d+\.pkl"
@@ -220,25 +220,16 @@ def _add_hook_models(folder: Folder) -> list[str]:
 
 def _models_lost_since(source: Source, folder: Folder) -> list[Problem]:
     """`missing_component` for each model a `save_state` pre-hook saved into a subfolder
-    (`unet/`, `saved_model_folders`) that the run's save before this one holds (`_save_before`,
-    on this machine) and this save lacks whole: the diffusers training scripts write it at
-    every save, before accelerate's own files, so it was lost since (nothing else in the
+    (`unet/`, `saved_model_folders`) that the run's save before this one holds (`save_before`)
+    and this save lacks whole: the diffusers training scripts write it at every save, before accelerate's own files, so it was lost since (nothing else in the
     folder records it; `load_state` then resumes with the model as the script built it).
     Likewise the optimizer's `optimizer.bin` of a save that holds such a model and no
     optimizer state: the hook runs first, so a save with its model went on to the optimizer."""
-    before = _save_before(source)
+    before = save_before(source, _named_alike)
     if before is None:
         return []
-    try:
-        older = {
-            f"{sub.name}/{file.name}"
-            for sub in before.iterdir()
-            if sub.is_dir()
-            for file in sub.iterdir()
-        }
-        older_top = {p.name for p in before.iterdir() if p.is_file()}
-    except OSError:
-        return []  # an unreadable sibling says nothing
+    older = {rel for rel in before.files if rel.count("/") == 1}
+    older_top = before.top
     names = {n[len(folder.base) :] for n in source.files if n.startswith(folder.base)}
     here = {sub for sub, _ in saved_model_folders(names)}
     fix = (
@@ -288,31 +279,15 @@ def _models_lost_since(source: Source, folder: Folder) -> list[Problem]:
     ]
 
 
-def _save_before(source: Source) -> Path | None:
-    """The save just before this one in its folder, on this machine: the sibling folder named
-    as it is but for a lower trailing number (`checkpoint_1` before `checkpoint_2`, `step_500`
-    before `step_1000`), the highest such. None elsewhere, or when there is none."""
-    loc = source.location
-    if not loc.is_local or loc.path is None:
-        return None
-    here = loc.path.resolve()
-    match = re.fullmatch(r"(.*?)(\d+)", here.name)
-    if match is None:
-        return None
-    named = re.compile(re.escape(match.group(1)) + r"(\d+)")
-    older: list[tuple[int, Path]] = []
-    try:
-        for sibling in here.parent.iterdir():
-            number = named.fullmatch(sibling.name)
-            if number and int(number.group(1)) < int(match.group(2)) and sibling.is_dir():
-                older.append((int(number.group(1)), sibling))
-    except OSError:
-        return None  # an unreadable parent: nothing to compare with
-    return max(older)[1] if older else None
+def _named_alike(name: str) -> re.Pattern[str] | None:
+    """How a run names its saves, from one save's name: as it is but for its trailing number
+    (`checkpoint_1` before `checkpoint_2`, `step_500` before `step_1000`)."""
+    match = re.fullmatch(r"(.*?)(\d+)", name)
+    return re.compile(re.escape(match.group(1)) + r"(\d+)") if match is not None else None
 
 
 def _lost_since_save_before(source: Source, folder: Folder, layout: Layout) -> list[Problem]:
-    """Files the run's save before this one holds (`_save_before`) that accelerate writes at
+    """Files the run's save before this one holds (`save_before`) that accelerate writes at
     every save and this one lacks, which nothing in this save says were written: a registered
     object's `custom_checkpoint_{i}.pkl` (load_state refuses a save with fewer than the
     objects registered), the RNG states of a rank above the highest this save's own files
@@ -321,13 +296,10 @@ def _lost_since_save_before(source: Source, folder: Folder, layout: Layout) -> l
     judge compares a save with the one before it the same way (`runs.judge`). A script that
     registers fewer objects, or a run resumed with fewer processes, has its first save after
     the change so reported."""
-    before = _save_before(source)
+    before = save_before(source, _named_alike)
     if before is None:
         return []
-    try:
-        names = {p.name for p in before.iterdir() if p.is_file()}
-    except OSError:
-        return []  # an unreadable sibling says nothing
+    names = before.top
     problems: list[Problem] = []
     fix = (
         "Copy it again from where the run saved it, or use another checkpoint of the run "

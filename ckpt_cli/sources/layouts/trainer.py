@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import re
-from pathlib import Path
 from typing import Any
 
 from ...formats.base import Source
@@ -14,6 +13,7 @@ from ...sizes import counted
 from .base import Layout, OpenedSource
 from .composite import Folder, component_files, component_prefixes, trainer_progress
 from .ranks import missing_rank_files, missing_rank_states, ranks_lost_since, saved_world
+from .save_before import save_before
 from .training import analyse, finish, per_rank_models
 
 #: files only the Trainer writes; `training_args.bin` is not one of them: scripts built on
@@ -97,11 +97,9 @@ class Trainer(Layout):
             folder.add("trainer_state", "trainer_state.json", "json")
         folder.list_training_args()
         folder.problems.extend(self.missing(source, folder))
-        before = _checkpoint_before(source)
+        before = save_before(source, _trainer_naming)
         if before is not None:
-            folder.problems.extend(
-                ranks_lost_since(source, folder, self, before.name, _file_names(before))
-            )
+            folder.problems.extend(ranks_lost_since(source, folder, self, before.name, before.top))
         checkpoint = folder.composite("hf-trainer")
         state = analyse(checkpoint, "hf-trainer", component_prefixes(checkpoint))
         per_rank_models(checkpoint, state)  # FSDP's LOCAL_STATE_DICT: one file per rank
@@ -328,33 +326,9 @@ def _state_unknown(source: Source, folder: Folder) -> str | None:
     )
 
 
-def _checkpoint_before(source: Source) -> Path | None:
-    """The sibling `checkpoint-N` of the highest step below this one's, on this machine; None
-    elsewhere, for a folder not so named, or when there is none."""
-    loc = source.location
-    if not loc.is_local or loc.path is None:
-        return None
-    here = loc.path.resolve()
-    step = Trainer().step_of(here.name)
-    if step is None:
-        return None
-    older: list[tuple[int, Path]] = []
-    try:
-        for sibling in here.parent.glob("checkpoint-*"):
-            other = Trainer().step_of(sibling.name)
-            if other is not None and other < step and sibling.is_dir():
-                older.append((other, sibling))
-    except OSError:
-        return None  # an unreadable parent: nothing to compare with
-    return max(older)[1] if older else None
-
-
-def _file_names(folder: Path) -> set[str]:
-    """The names of the files directly in `folder` (none when it cannot be listed)."""
-    try:
-        return {p.name for p in folder.iterdir() if p.is_file()}
-    except OSError:
-        return set()
+def _trainer_naming(name: str) -> re.Pattern[str] | None:
+    """The Trainer names every save `checkpoint-N` (`save_before`'s naming rule)."""
+    return Trainer.step_folder if Trainer.step_folder.fullmatch(name) else None
 
 
 def _trainer_missing(source: Source, folder: Folder) -> list[Problem]:
