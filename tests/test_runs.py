@@ -1305,3 +1305,23 @@ def test_verify_of_an_accelerate_save_that_lost_every_ranks_rng_states_fails(
     assert not (tmp_path / "whole").exists()
     # the first save has no save before it: nothing to compare, OK as before
     assert run_ckpt("verify", folders[0]).exit_code == 0
+
+
+def test_latest_of_one_checkpoint_names_the_run_folder_to_ask(tmp_path: Path) -> None:
+    """`ckpt latest out/checkpoint-500` (the save, not its run folder) said "no step
+    checkpoints found", which reads as if the run had none: it says the folder is one
+    checkpoint and names the run folder that `latest` answers for, exit 3 as before."""
+    run = trainer_run(tmp_path, steps=(100, 200))
+    one = run_ckpt("latest", run / "checkpoint-200", "--json")
+    assert one.exit_code == 3, one.stdout
+    error = one.json["error"]
+    assert error["code"] == "no_checkpoint"
+    assert error["problem"] == "is one checkpoint, not a run folder of step checkpoints"
+    assert f"`ckpt latest {run}`" in error["fix"]
+    human = run_ckpt("latest", run / "checkpoint-200")
+    assert human.exit_code == 3 and human.stdout == ""
+    assert f"is one checkpoint, not a run folder of step checkpoints. `ckpt latest {run}`" in (
+        " ".join(human.stderr.split())
+    )
+    # and the fix is right: the run folder names its newest save
+    assert run_ckpt("latest", run).stdout.strip() == str(run / "checkpoint-200")

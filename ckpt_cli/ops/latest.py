@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import CkptError, NoCheckpointError, NotFoundError
 from ..models import Request
 from ..sources.runs import DEFAULT_SETTLE, RunReport, scan_run
+from ..sources.runs.naming import run_folder_above
 
 
 class LatestRequest(Request):
@@ -40,3 +42,30 @@ def latest_with(run_dir: str | Path, request: LatestRequest) -> RunReport:
 def exit_code(report: RunReport) -> int:
     """3 (not found) when the run folder holds no complete checkpoint."""
     return 0 if report.latest is not None else 3
+
+
+def none_found(report: RunReport) -> CkptError:
+    """Why `report` names no checkpoint (exit 3), with the fix: its saves' verdicts, or, of a
+    folder that is one checkpoint itself (`ckpt latest out/checkpoint-500`), the run folder to
+    ask instead."""
+    if report.checkpoints:
+        return NotFoundError(
+            "no complete checkpoint",
+            path=report.run_dir,
+            fix="Each checkpoint's status and reason say why (listed below it; with --json, "
+            "in result.checkpoints).",
+        )
+    if report.root_files:
+        above = run_folder_above(report.run_dir)
+        return NoCheckpointError(
+            "is one checkpoint, not a run folder of step checkpoints",
+            path=report.run_dir,
+            fix=f"`ckpt latest {above}` names the newest complete checkpoint of its run folder."
+            if above is not None
+            else "Point at the run folder that holds checkpoint-N/, step-N/ or *.ckpt saves.",
+        )
+    return NoCheckpointError(
+        "no step checkpoints found",
+        path=report.run_dir,
+        fix="Point at the folder that holds checkpoint-N/, step-N/ or *.ckpt saves.",
+    )

@@ -40,8 +40,7 @@ def latest(
     being written are skipped. `--json` gives the whole table of checkpoints.
     """
     from ...durations import parse_duration
-    from ...errors import NoCheckpointError, NotFoundError
-    from ...ops.latest import LatestRequest, exit_code, latest_with
+    from ...ops.latest import LatestRequest, exit_code, latest_with, none_found
     from ...sources.runs import RunReport
     from ..render.latest import render_latest
 
@@ -56,11 +55,5 @@ def latest(
         latest,
         render_latest,
         exit_code,
-        failure=lambda report, _code: (NotFoundError if report.checkpoints else NoCheckpointError)(
-            "no complete checkpoint" if report.checkpoints else "no step checkpoints found",
-            path=run_dir,
-            fix="result.checkpoints gives each checkpoint's status and reason"
-            if report.checkpoints
-            else "Point at the folder that holds checkpoint-N/, step-N/ or *.ckpt saves",
-        ),
+        failure=lambda report, _code: none_found(report),
     )

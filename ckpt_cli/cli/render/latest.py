@@ -21,12 +21,11 @@ def render_latest(report: RunReport) -> None:
         if chosen is not None and chosen.reason:
             warn("latest", f"{chosen.name}: {chosen.reason}")
         return
+    from ...ops.latest import none_found
     from . import errors  # rich: only to say why there is none
 
-    if not report.checkpoints:
-        errors.print(f"ckpt latest: {report.run_dir}: no step checkpoints found", soft_wrap=True)
-        return
-    errors.print(f"ckpt latest: {report.run_dir}: no complete checkpoint", soft_wrap=True)
+    why = none_found(report)
+    errors.print(f"ckpt latest: {why.message}", markup=False, highlight=False, soft_wrap=True)
     for c in reversed(report.checkpoints):
         # `ckpt protect` blessed it whole: damaged since, and its parity may rebuild it
         damaged = PROTECTED in c.markers and c.status == "incomplete"

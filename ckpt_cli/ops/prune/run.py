@@ -23,6 +23,7 @@ from typing import Any
 from ...errors import CkptError, NotFoundError, UsageError
 from ...faults import notice
 from ...sources.runs import DELETING, RunReport, is_remote, scan_run
+from ...sources.runs.naming import run_folder_above
 from ...sources.runs.records import CHECKSUM_MANIFEST
 from ...storage import PARITY_DIR, is_parity_path
 from ...storage.output import TMP_MARKER, fsync_dir, recover_old_copies_in
@@ -280,11 +281,8 @@ def _refuse_one_checkpoint(run_dir: str, run: RunReport) -> None:
     retention job takes for done (UsageError, naming the run folder to prune instead)."""
     if run.checkpoints or not run.root_files:
         return
-    if is_remote(run_dir):
-        parent = run_dir.rstrip("/").rpartition("/")[0]
-    else:  # (`ckpt prune step-1` from inside the run folder: its parent is `.`)
-        parent = str(Path(run_dir).parent) if Path(run_dir).parent != Path(run_dir) else ""
-    if not parent or parent.endswith(":/"):  # a bucket's root, or `/`: no run folder above it
+    parent = run_folder_above(run_dir)
+    if parent is None:
         fix = "Point at the run folder that holds checkpoint-N/, step-N/ or *.ckpt saves."
     else:
         fix = (

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import UsageError
@@ -107,6 +108,20 @@ def refuse_run_of_runs(run_dir: str, runs: list[str]) -> None:
         path=run_dir,
         fix=f"Pass one run folder: {one} (`ckpt latest {one}` prints its newest complete save).",
     )
+
+
+def run_folder_above(run_dir: str) -> str | None:
+    """The folder that holds `run_dir` (a folder or URL given as a run folder that turned out
+    to be one checkpoint): the run folder to name instead. None where there is none: a
+    bucket's root, `/`."""
+    if "://" in run_dir and not run_dir.startswith("file://"):
+        parent = run_dir.rstrip("/").rpartition("/")[0]
+    else:  # (`ckpt prune step-1` from inside the run folder: its parent is `.`)
+        path = Path(run_dir)
+        parent = str(path.parent) if path.parent != path else ""
+    if not parent or parent.endswith(":/"):
+        return None
+    return parent
 
 
 def in_parity(rel: str) -> bool:
