@@ -1316,11 +1316,11 @@ def test_latest_of_one_checkpoint_names_the_run_folder_to_ask(tmp_path: Path) ->
     assert one.exit_code == 3, one.stdout
     error = one.json["error"]
     assert error["code"] == "no_checkpoint"
-    assert error["problem"] == "is one checkpoint, not a run folder of step checkpoints"
+    assert error["problem"] == "is one checkpoint, not a run folder of checkpoints"
     assert f"`ckpt latest {run}`" in error["fix"]
     human = run_ckpt("latest", run / "checkpoint-200")
     assert human.exit_code == 3 and human.stdout == ""
-    assert f"is one checkpoint, not a run folder of step checkpoints. `ckpt latest {run}`" in (
+    assert f"is one checkpoint, not a run folder of checkpoints. `ckpt latest {run}`" in (
         " ".join(human.stderr.split())
     )
     # and the fix is right: the run folder names its newest save

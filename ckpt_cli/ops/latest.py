@@ -58,7 +58,7 @@ def none_found(report: RunReport) -> CkptError:
     if report.root_files:
         above = run_folder_above(report.run_dir)
         return NoCheckpointError(
-            "is one checkpoint, not a run folder of step checkpoints",
+            "is one checkpoint, not a run folder of checkpoints",
             path=report.run_dir,
             fix=f"`ckpt latest {above}` names the newest complete checkpoint of its run folder."
             if above is not None
