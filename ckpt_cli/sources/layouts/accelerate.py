@@ -221,8 +221,9 @@ def _add_hook_models(folder: Folder) -> list[str]:
 def _models_lost_since(source: Source, folder: Folder) -> list[Problem]:
     """`missing_component` for each model a `save_state` pre-hook saved into a subfolder
     (`unet/`, `saved_model_folders`) that the run's save before this one holds (`save_before`)
-    and this save lacks whole: the diffusers training scripts write it at every save, before accelerate's own files, so it was lost since (nothing else in the
-    folder records it; `load_state` then resumes with the model as the script built it).
+    and this save lacks whole: the diffusers training scripts write it at every save, before
+    accelerate's own files, so it was lost since (nothing else in the folder records it;
+    `load_state` then resumes with the model as the script built it).
     Likewise the optimizer's `optimizer.bin` of a save that holds such a model and no
     optimizer state: the hook runs first, so a save with its model went on to the optimizer."""
     before = save_before(source, _named_alike)
