@@ -309,3 +309,26 @@ def test_a_save_verified_in_s3_or_on_the_hub_is_held_to_the_save_before_it_as_on
         assert "the save before it (checkpoint-100)" in problem["message"], where
         # the save before it, whole, is held to nothing older: OK wherever it is
         assert run_ckpt("verify", f"{where}/checkpoint-100").exit_code == 0, where
+
+
+def test_latest_and_prune_of_one_checkpoint_on_the_hub_name_no_folder_above_a_repository(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """A model repo given as a run folder is one checkpoint: `latest` and `prune` say so, and
+    name the run folder above a save in a repo (`hf://org/run`), never `hf://org`, which is
+    no repository."""
+    from .run_fixtures import trainer_checkpoint
+
+    save = tmp_path / "checkpoint-100"
+    trainer_checkpoint(save, 100)
+    hub.add_repo("org/model", save)
+    hub.add_repo("org/run", save.parent)
+    for command in (("latest",), ("prune", "--keep-last", "1")):
+        repo = run_ckpt(*command[:1], "hf://org/model", *command[1:], "--json")
+        assert repo.exit_code in (2, 3), repo.stdout
+        error = repo.json["error"]
+        assert error["problem"].startswith("is one checkpoint, not a run folder of checkpoints")
+        assert "hf://org " not in error["fix"] and "hf://org`" not in error["fix"], error["fix"]
+        assert "Point at the run folder" in error["fix"]
+        one = run_ckpt(*command[:1], "hf://org/run/checkpoint-100", *command[1:], "--json")
+        assert f"`ckpt {command[0]} hf://org/run" in one.json["error"]["fix"], one.stdout

@@ -20,6 +20,7 @@ from ...formats.names import (
 )
 from ...storage import is_parity_path
 from ...storage.output import OLD_MARKER, TMP_MARKER
+from ...storage.uri import is_hub_url, parse_location
 from .records import CHECKSUM_MANIFEST, Found
 
 if TYPE_CHECKING:
@@ -113,8 +114,12 @@ def refuse_run_of_runs(run_dir: str, runs: list[str]) -> None:
 def run_folder_above(run_dir: str) -> str | None:
     """The folder that holds `run_dir` (a folder or URL given as a run folder that turned out
     to be one checkpoint): the run folder to name instead. None where there is none: a
-    bucket's root, `/`."""
-    if "://" in run_dir and not run_dir.startswith("file://"):
+    bucket's root, `/`, a Hub repository's root."""
+    if is_hub_url(run_dir):
+        if not parse_location(run_dir).subfolder:
+            return None  # a repository's root: the folder above is no run folder
+        parent = run_dir.rstrip("/").rpartition("/")[0]
+    elif "://" in run_dir and not run_dir.startswith("file://"):
         parent = run_dir.rstrip("/").rpartition("/")[0]
     else:  # (`ckpt prune step-1` from inside the run folder: its parent is `.`)
         path = Path(run_dir)
