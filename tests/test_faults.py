@@ -681,6 +681,7 @@ def test_a_signal_just_as_the_staging_folder_is_made_still_removes_it(
     import threading
 
     from ckpt_cli.errors import Interrupted
+    from ckpt_cli.formats.names import is_commit_marker
     from ckpt_cli.storage.output import staged_output
 
     real_mkdtemp = tempfile.mkdtemp
@@ -697,7 +698,10 @@ def test_a_signal_just_as_the_staging_folder_is_made_still_removes_it(
         waiter.start()
     monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_then_ctrl_c)
     try:
-        with pytest.raises(Interrupted) as stopped, staged_output(tmp_path / "dest") as staging:
+        with (
+            pytest.raises(Interrupted) as stopped,
+            staged_output(tmp_path / "dest", commit_marker=is_commit_marker) as staging,
+        ):
             (staging / "never.bin").write_bytes(b"x")
     finally:
         done.set()

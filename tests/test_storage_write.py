@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import resolve_source
+from ckpt_cli.formats.names import is_commit_marker
 from ckpt_cli.storage import Storage
 from ckpt_cli.storage.output import staged_output
 
@@ -155,7 +156,7 @@ def test_an_output_staged_to_a_storage_destination_is_published_there(
 ) -> None:
     storage = place.storage()
     dest = storage.destination("exported")
-    with staged_output(dest) as staging:
+    with staged_output(dest, commit_marker=is_commit_marker) as staging:
         save_file(_weights(3), staging / "model.safetensors")
         (staging / "config.json").write_text("{}\n")
     fresh = place.storage()
@@ -163,7 +164,10 @@ def test_an_output_staged_to_a_storage_destination_is_published_there(
     _assert_same(_read_back(fresh, "exported/model.safetensors", tmp_path / "r"), _weights(3))
     assert not [name for name in place.stored() if ".ckpt-tmp-" in name]
     # a second output to the same destination is refused without --force
-    with pytest.raises(Exception, match="already exists"), staged_output(dest):
+    with (
+        pytest.raises(Exception, match="already exists"),
+        staged_output(dest, commit_marker=is_commit_marker),
+    ):
         pass
 
 
@@ -219,7 +223,10 @@ def test_a_failed_output_whose_staging_cannot_be_removed_says_where_it_is_left(
     dest = tmp_path / "out"
     kept: list[Path] = []
     # the usual case first: gone, and said so
-    with pytest.raises(IOFailure) as removed, staged_output(dest) as staging:
+    with (
+        pytest.raises(IOFailure) as removed,
+        staged_output(dest, commit_marker=is_commit_marker) as staging,
+    ):
         kept.append(staging)
         raise OSError(errno.ENOSPC, "No space left on device")
     assert "the partial output was removed" in str(removed.value)
@@ -227,7 +234,10 @@ def test_a_failed_output_whose_staging_cannot_be_removed_says_where_it_is_left(
 
     # the removal fails as it does when the failed write left no descriptor to open the folder
     monkeypatch.setattr(output.shutil, "rmtree", lambda *args, **kwargs: None)
-    with pytest.raises(IOFailure) as left, staged_output(dest) as staging:
+    with (
+        pytest.raises(IOFailure) as left,
+        staged_output(dest, commit_marker=is_commit_marker) as staging,
+    ):
         kept.append(staging)
         (staging / "model.safetensors").write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")

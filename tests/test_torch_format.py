@@ -17,6 +17,7 @@ from huggingface_hub import save_torch_state_dict
 
 from ckpt_cli.formats import open_checkpoint, resolve_source
 from ckpt_cli.formats.base import WriteOptions
+from ckpt_cli.formats.names import is_commit_marker
 from ckpt_cli.formats.torch.format import TorchFormat
 from ckpt_cli.storage.output import staged_output
 
@@ -76,7 +77,10 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
 
 
 def copy_with_writer(src: Path, dest: Path, options: WriteOptions | None = None) -> None:
-    with open_checkpoint(str(src)) as checkpoint, staged_output(dest) as staging:
+    with (
+        open_checkpoint(str(src)) as checkpoint,
+        staged_output(dest, commit_marker=is_commit_marker) as staging,
+    ):
         plan = checkpoint.manifest.entries
         writer = TorchFormat.writer(staging, plan, options or WriteOptions())
         for entry in plan:

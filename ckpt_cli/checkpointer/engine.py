@@ -34,6 +34,7 @@ from ..errors import (
     UsageError,
 )
 from ..faults import io_failure
+from ..formats.names import is_commit_marker
 from ..progress import NULL_PROGRESS, Progress
 from ..sources.runs import is_remote
 from ..storage.output import TMP_MARKER, staged_output
@@ -1134,7 +1135,7 @@ class Checkpointer:
         shared = False
         outcome: BaseException | None = None
         try:
-            with staged_output(dest, force=True) as staging:
+            with staged_output(dest, commit_marker=is_commit_marker, force=True) as staging:
                 self._share(str(staging))
                 shared = True
                 error: BaseException | None = None

@@ -45,6 +45,7 @@ from pydantic import Field
 
 from ..errors import CkptError, HubError
 from ..faults import io_failure
+from ..formats.names import is_commit_marker
 from ..models import Record
 from ..storage.output import output_failure, staged_output
 from .launch import launch_environment
@@ -260,7 +261,10 @@ class Workers:
         if wanted is not None and wanted.strip() == str(self.rank) and self.distributed:
             from ..errors import FormatError
 
-            raise FormatError(f"injected failure on rank {self.rank} during {where}", fix="Unset CKPT_TEST_FAIL_RANK: only ckpt's tests set it.")
+            raise FormatError(
+                f"injected failure on rank {self.rank} during {where}",
+                fix="Unset CKPT_TEST_FAIL_RANK: only ckpt's tests set it.",
+            )
 
 
 def describe(error: BaseException) -> dict[str, Any]:
@@ -502,7 +506,9 @@ def split_output(
     `dest` is whatever `staged_output` accepts; a split run needs a local (shared) path.
     """
     if not workers.distributed:
-        with staged_output(dest, force=force, single_file=single_file) as staging:
+        with staged_output(
+            dest, commit_marker=is_commit_marker, force=force, single_file=single_file
+        ) as staging:
             return commit(staging, [work(staging)])
     if not isinstance(dest, Path):
         from ..errors import UsageError
@@ -517,7 +523,9 @@ def split_output(
         path = None
         with workers.together():
             if workers.leader:
-                staged = staged_output(dest, force=force, single_file=single_file)
+                staged = staged_output(
+                    dest, commit_marker=is_commit_marker, force=force, single_file=single_file
+                )
                 path = str(stack.enter_context(staged))
         staging = Path(workers.broadcast(path))
         part: Any = None

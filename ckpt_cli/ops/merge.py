@@ -38,7 +38,7 @@ from ..dtypes import itemsize, numel
 from ..errors import FormatError, NotFoundError, UsageError
 from ..formats import HF_WEIGHTS, get_format, resolve_source
 from ..formats.base import Checkpoint, Source, WriteOptions
-from ..formats.names import is_checkpoint_file
+from ..formats.names import is_checkpoint_file, is_commit_marker
 from ..models import Entry, FileInfo, Record, Request
 from ..progress import NULL_PROGRESS, Progress
 from ..quant import QuantAnalysis, analyse_checkpoint, label
@@ -1369,7 +1369,7 @@ def merge_with(
             ]
             written_names = [i.target.name for i in plan.items]
         else:
-            with staged_output(dest_path, force=force) as staging:
+            with staged_output(dest_path, commit_marker=is_commit_marker, force=force) as staging:
                 inner = staging / "weights"
                 files, written = run_write(
                     merged, plan, inner, target.name, options, progress=progress

@@ -53,7 +53,6 @@ from ..errors import (
     UsageError,
 )
 from ..faults import HeldStopSignals, interruption, io_failure, note_published, notice
-from ..formats.names import is_commit_marker
 from ..progress import NULL_PROGRESS, Progress
 from . import remote_failure
 from .base import TMP_MARKER as TMP_MARKER
@@ -265,6 +264,7 @@ def _holds_current_folder(dest: Path) -> bool:
 def staged_output(
     dest: Destination,
     *,
+    commit_marker: Callable[[str], bool],
     force: bool = False,
     single_file: bool = False,
     progress: Progress = NULL_PROGRESS,
@@ -274,10 +274,20 @@ def staged_output(
     With `single_file`, the staging folder must hold exactly one file, which becomes `dest`.
     On any exception (KeyboardInterrupt included) the staging folder is removed and `dest` is
     left as it was. A `RemoteDest` is staged locally and uploaded (see the module docstring);
-    `progress` then reports the bytes uploaded.
+    `progress` then reports the bytes uploaded. `commit_marker` tells the files (paths
+    relative to the output) whose presence says the output is complete (what the writer
+    wrote last: the format's knowledge, `formats.names.is_commit_marker`): in an object store
+    they are uploaded and published after every other file, and an old output's removed
+    before its others (a folder on this machine is published with one rename).
     """
     if isinstance(dest, RemoteDest):
-        with _staged_remote(dest, force=force, single_file=single_file, progress=progress) as s:
+        with _staged_remote(
+            dest,
+            force=force,
+            single_file=single_file,
+            progress=progress,
+            commit_marker=commit_marker,
+        ) as s:
             yield s
         return
     dest = dest.absolute()
@@ -638,14 +648,19 @@ def _replace(source: Path, dest: Path, old: Path) -> None:
 # --------------------------------------------------------------------------- object stores
 
 
-def publish_order(names: list[str]) -> list[str]:
+def publish_order(names: list[str], commit_marker: Callable[[str], bool]) -> list[str]:
     """`names` sorted with the commit markers last."""
-    return sorted(names, key=lambda n: (is_commit_marker(n), n))
+    return sorted(names, key=lambda n: (commit_marker(n), n))
 
 
 @contextmanager
 def _staged_remote(
-    dest: RemoteDest, *, force: bool, single_file: bool, progress: Progress
+    dest: RemoteDest,
+    *,
+    force: bool,
+    single_file: bool,
+    progress: Progress,
+    commit_marker: Callable[[str], bool],
 ) -> Iterator[Path]:
     check_destination(dest, force)
     nested = bool(_OPEN_STAGINGS.get())
@@ -683,8 +698,8 @@ def _staged_remote(
         if single_file and len(files) != 1:
             raise RuntimeError(f"expected one output file, the writer produced {len(files)}")
         try:
-            _upload(dest, store, staging, files, tmp_name, progress)
-            _publish_remote(dest, store, files, tmp_name, single_file, force)
+            _upload(dest, store, staging, files, tmp_name, progress, commit_marker)
+            _publish_remote(dest, store, files, tmp_name, single_file, force, commit_marker)
             if not nested:
                 note_published(dest.url)
         except HubError as exc:  # a write the store refused: named by DEST as the user wrote it
@@ -750,6 +765,7 @@ def _upload(
     files: list[str],
     tmp_name: str,
     progress: Progress,
+    commit_marker: Callable[[str], bool],
 ) -> None:
     """Stream every staged file to the temporary prefix (data files in parallel), markers last."""
     total = sum((staging / f).stat().st_size for f in files)
@@ -766,8 +782,8 @@ def _upload(
         store.write_file(f"{tmp_name}/{rel}", counted(rel))
 
     try:
-        _in_parallel(upload, [f for f in files if not is_commit_marker(f)])
-        _in_parallel(upload, [f for f in publish_order(files) if is_commit_marker(f)])
+        _in_parallel(upload, [f for f in files if not commit_marker(f)])
+        _in_parallel(upload, [f for f in publish_order(files, commit_marker) if commit_marker(f)])
     finally:
         progress.finish()
 
@@ -779,6 +795,7 @@ def _publish_remote(
     tmp_name: str,
     single_file: bool,
     force: bool,
+    commit_marker: Callable[[str], bool],
 ) -> None:
     """Copy the uploaded objects into DEST, the commit marker last; undo on failure."""
     if _remote_exists(dest):
@@ -792,7 +809,7 @@ def _publish_remote(
             store.remove(dest.name)
         else:
             previous = FsspecStorage(dest.fs, dest.path, dest.url)
-            for rel in sorted(previous.all_files(), key=lambda n: (not is_commit_marker(n), n)):
+            for rel in sorted(previous.all_files(), key=lambda n: (not commit_marker(n), n)):
                 previous.remove(rel)  # listed: one request each
     if single_file:
         store.copy(f"{tmp_name}/{files[0]}", dest.name)
@@ -805,9 +822,9 @@ def _publish_remote(
         store.copy(f"{tmp_name}/{rel}", target)
 
     try:
-        _in_parallel(copy, [f for f in files if not is_commit_marker(f)])
-        for rel in publish_order(files):
-            if is_commit_marker(rel):
+        _in_parallel(copy, [f for f in files if not commit_marker(f)])
+        for rel in publish_order(files, commit_marker):
+            if commit_marker(rel):
                 copy(rel)
     except BaseException:
         _remove_remote(store, copied)

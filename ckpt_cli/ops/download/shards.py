@@ -15,7 +15,7 @@ from typing import Any
 from ...errors import FormatError, IOFailure
 from ...faults import close_pool, io_failure
 from ...formats.base import Source
-from ...formats.names import SAFETENSORS_SUFFIX
+from ...formats.names import SAFETENSORS_SUFFIX, is_commit_marker
 from ...formats.safetensors.format import SafetensorsFormat
 from ...formats.safetensors.header import read_header
 from ...formats.torch.format import TorchFormat
@@ -158,7 +158,9 @@ def download_shards(
     assert dest is not None
     if narrowed:
         report.files = [f for f in report.files if f.path != index_rel]
-    with staged_output(dest, force=force, progress=progress) as staging:
+    with staged_output(
+        dest, commit_marker=is_commit_marker, force=force, progress=progress
+    ) as staging:
         _copy_into(staging, report.files)
         if subset:
             assert weight_map is not None and index_rel is not None
@@ -203,7 +205,9 @@ def _download_whole_save(
     if report.cache_only:
         return
     assert dest is not None
-    with staged_output(dest, force=asked.force, progress=progress) as staging:
+    with staged_output(
+        dest, commit_marker=is_commit_marker, force=asked.force, progress=progress
+    ) as staging:
         _copy_into(staging, report.files)
         report.tensors_total = report.tensors_selected = _weights_in(staging)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from ...errors import FormatError, Interrupted, NotFoundError
 from ...faults import close_pool
 from ...formats.base import Source, WriteOptions
-from ...formats.names import SAFETENSORS_SUFFIX
+from ...formats.names import SAFETENSORS_SUFFIX, is_commit_marker
 from ...formats.safetensors.format import SafetensorsCheckpoint, SafetensorsFormat
 from ...formats.safetensors.header import prefetch_headers, read_header
 from ...formats.torch.format import TorchFormat
@@ -413,7 +413,9 @@ def download_tensors(
     by_name = manifest.by_name
     digests: dict[str, str] = {}
     try:
-        with staged_output(dest, force=force, progress=progress) as staging:
+        with staged_output(
+            dest, commit_marker=is_commit_marker, force=force, progress=progress
+        ) as staging:
             writer = SafetensorsFormat.writer(staging, plan, options)
             progress.start(report.selected_bytes, repo.repo_id)
             try:

@@ -16,6 +16,7 @@ from ... import __version__
 from ...dist.command import active
 from ...errors import DestinationExistsError, FormatError, UsageError
 from ...formats import resolve_source
+from ...formats.names import is_commit_marker
 from ...models import Request
 from ...progress import NULL_PROGRESS, Progress
 from ...sizes import counted
@@ -158,7 +159,9 @@ def _protect_split(
                     on_plan(_report(target, manifest, dest, dry_run=True))
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 stack.enter_context(folder_time_kept(target))  # left after the publish
-                staging = stack.enter_context(staged_output(dest, force=force))
+                staging = stack.enter_context(
+                    staged_output(dest, commit_marker=is_commit_marker, force=force)
+                )
                 for j in range(parity):
                     with open(staging / f"parity-{j}.bin", "wb") as fh:
                         fh.truncate(manifest.stripes * manifest.block_size)
@@ -505,7 +508,10 @@ def _protect(
     reader = BlockReader(storage)
     progress.start(sum(sizes), f"protecting (K={parity}, W={width})")
     try:
-        with folder_time_kept(target), staged_output(dest, force=force) as staging:
+        with (
+            folder_time_kept(target),
+            staged_output(dest, commit_marker=is_commit_marker, force=force) as staging,
+        ):
             outs = [open(staging / f"parity-{j}.bin", "wb") for j in range(parity)]
             p_hash = [hashlib.sha256() for _ in range(parity)]
             p_digests: list[list[str]] = [[] for _ in range(parity)]

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ...dtypes import itemsize
 from ...errors import FormatError, UsageError
 from ...formats.base import Source
+from ...formats.names import is_commit_marker
 from ...formats.torch.load import InertObject, load_torch_file
 from ...formats.torch.zip_index import TensorLayout, TorchZipIndex, index_torch_zip
 from ...formats.torch.zip_write import Reduced, TorchZipWriter, write_record
@@ -260,7 +261,7 @@ def reshard_zero(
     counted = CountingProgress(progress)
     counted.start(tensor_bytes, "resharding")
     try:
-        with staged_output(out, force=force) as staging:
+        with staged_output(out, commit_marker=is_commit_marker, force=force) as staging:
             files = _write(source, save, plans, world_size, staging, counted)
             for rel in carried:
                 copy_verbatim(source, rel, staging / safe_relpath(rel, source=src))

@@ -19,7 +19,7 @@ from typing import Protocol, TypeVar
 from ...errors import FormatError, UsageError
 from ...formats import get_format, resolve_source, writable_formats
 from ...formats.base import Source
-from ...formats.names import is_single_file_weights, looks_like_index
+from ...formats.names import is_commit_marker, is_single_file_weights, looks_like_index
 from ...models import FileInfo
 from ...sources.layouts.model_folders import Component, multi_folder
 from ...storage.output import local_destination, resolve_destination, staged_output
@@ -151,7 +151,7 @@ def write_components(
             if rel not in weight_files and rel not in planned
         ]
         return files, reports
-    with staged_output(dest_path, force=force) as staging:
+    with staged_output(dest_path, commit_marker=is_commit_marker, force=force) as staging:
         for comp, inner_src in jobs:
             inner_dest = staging / (comp.path or ROOT_SCRATCH)
             report = one(comp, inner_src, str(inner_dest), to)

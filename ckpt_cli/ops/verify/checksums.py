@@ -31,7 +31,7 @@ from ...errors import (
 )
 from ...formats import resolve_source
 from ...formats.base import Source
-from ...formats.names import is_index_file
+from ...formats.names import is_commit_marker, is_index_file
 from ...formats.weight_map import MAX_INDEX_BYTES
 from ...models import Problem, Record
 from ...progress import Progress
@@ -516,7 +516,9 @@ def _write_manifest(path: Destination, record: ChecksumManifest, force: bool) ->
     # to the name on disk
     data = (json.dumps(record.model_dump(), indent=2) + "\n").encode()
     with (
-        staged_output(path, force=force, single_file=True) as staging,
+        staged_output(
+            path, commit_marker=is_commit_marker, force=force, single_file=True
+        ) as staging,
         open(staging / path.name, "wb") as fh,
     ):
         fh.write(data)
