@@ -310,6 +310,7 @@ def test_reshard_safetensors_on_s3_to_a_new_shard_size(
     _assert_same(_safetensors(tmp_path / "out"), sharded_on_s3)
 
 
+@pytest.mark.slow
 def test_existing_destination_is_refused_without_force(
     sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -817,6 +818,7 @@ def test_an_object_replaced_between_listing_and_reading_is_refused_not_mixed(
     assert all(torch.equal(got[n], new[n]) for n in new)
 
 
+@pytest.mark.slow
 def test_a_trainer_save_whose_reads_the_store_refuses_is_a_store_failure_not_a_bad_save(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

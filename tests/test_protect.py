@@ -330,6 +330,7 @@ def _start(*args: str | Path) -> subprocess.Popen[bytes]:
     )
 
 
+@pytest.mark.slow
 def test_sigkill_during_protect_and_repair_leaves_nothing_that_looks_complete(
     tmp_path: Path,
 ) -> None:

@@ -282,6 +282,7 @@ def test_a_local_last_checkpoint_copy_beside_the_trainer_saves_is_not_a_save(
     assert actions == {"checkpoint-100": "delete", "checkpoint-200": "keep"}
 
 
+@pytest.mark.slow
 def test_a_save_verified_in_s3_or_on_the_hub_is_held_to_the_save_before_it_as_on_disk(
     s3_server: S3Server, hub: TestHub, tmp_path: Path
 ) -> None:

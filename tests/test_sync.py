@@ -1431,6 +1431,7 @@ def test_a_body_carries_botocores_own_crc32_only_where_botocore_would_add_one(
     assert not ObjectUploader(required, 1).crc32_by_default()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["checks none", "checks checksums"])
 def test_a_file_sent_in_one_put_is_hashed_once_for_its_manifest(
     s3_server: S3Server, tmp_path: Path, store: str
@@ -1661,6 +1662,7 @@ def test_a_failed_file_stops_the_pulls_other_fetches_at_their_next_block(
     assert (fresh / "checkpoint-100" / big.name).read_bytes() == big.read_bytes()
 
 
+@pytest.mark.slow
 def test_a_cut_pull_resumes_keeping_the_files_already_whole(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
