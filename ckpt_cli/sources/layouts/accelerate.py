@@ -42,7 +42,7 @@ from .composite import (
 )
 from .model_folders import saved_model_folders
 from .ranks import missing_rank_files, missing_rank_states, ranks_lost_since, saved_world
-from .save_before import save_before
+from .save_before import LOST_SINCE_FIX, lost_since, save_before
 from .training import all_models, analyse, finish, per_rank_models, value_of, weights_summary
 
 _RNG = r"random_states_\d+\.pkl"
@@ -233,19 +233,13 @@ def _models_lost_since(source: Source, folder: Folder) -> list[Problem]:
     older_top = before.top
     names = {n[len(folder.base) :] for n in source.files if n.startswith(folder.base)}
     here = {sub for sub, _ in saved_model_folders(names)}
-    fix = (
-        "Copy it again from where the run saved it, or use another checkpoint of the run "
-        "(`ckpt latest` names the newest whole one)."
-    )
     problems = [
-        Problem(
-            code="missing_component",
-            message=f"is missing: the LoRA a save hook wrote with save_lora_weights, which the "
-            f"save before it ({before.name}) holds (the diffusers training scripts write it at "
-            "every save, before accelerate's own files); this save cannot resume training "
-            "where it stopped",
-            file=source.storage.describe(folder.rel(name)),
-            fix=fix,
+        lost_since(
+            source,
+            folder.rel(name),
+            f"the LoRA a save hook wrote with save_lora_weights, which the save before it "
+            f"({before.name}) holds (the diffusers training scripts write it at every save, "
+            "before accelerate's own files); this save cannot resume training where it stopped",
         )
         for name in _HOOK_LORA
         if name in older_top and not any(folder.has(n) for n in _HOOK_LORA)
@@ -255,25 +249,23 @@ def _models_lost_since(source: Source, folder: Folder) -> list[Problem]:
         # the save hook's model is here, so the save went on to accelerate's own files:
         # an optimizer the save before holds was written into this one too
         problems += [
-            Problem(
-                code="missing_component",
-                message=f"is missing: the optimizer's state, which the save before it "
-                f"({before.name}) holds and accelerate's save_state writes at every save; "
-                "this save cannot resume training where it stopped",
-                file=source.storage.describe(folder.rel(name)),
-                fix=fix,
+            lost_since(
+                source,
+                folder.rel(name),
+                f"the optimizer's state, which the save before it ({before.name}) holds and "
+                "accelerate's save_state writes at every save; this save cannot resume "
+                "training where it stopped",
             )
             for name in sorted(n for n in older_top if re.fullmatch(_OPTIM, n))
         ]
     return problems + [
-        Problem(
-            code="missing_component",
-            message=f"is missing: the model a save hook wrote into {sub}/ with save_pretrained, "
-            f"which the save before it ({before.name}) holds (the diffusers training scripts "
-            "write it at every save, before accelerate's own files); this save cannot resume "
-            "training where it stopped",
-            file=source.storage.describe(folder.rel(sub)),
-            fix=fix,
+        lost_since(
+            source,
+            folder.rel(sub),
+            f"the model a save hook wrote into {sub}/ with save_pretrained, which the save "
+            f"before it ({before.name}) holds (the diffusers training scripts write it at "
+            "every save, before accelerate's own files); this save cannot resume training "
+            "where it stopped",
         )
         for sub, _ in saved_model_folders(older)
         if sub not in here
@@ -301,27 +293,19 @@ def _lost_since_save_before(source: Source, folder: Folder, layout: Layout) -> l
     if before is None:
         return []
     names = before.top
-    problems: list[Problem] = []
-    fix = (
-        "Copy it again from where the run saved it, or use another checkpoint of the run "
-        "(`ckpt latest` names the newest whole one)."
-    )
-    for name in sorted(
-        n
-        for n in names
-        if layout.after_last_file is not None and layout.after_last_file.fullmatch(n)
-    ):
-        if not folder.has(name):
-            problems.append(
-                Problem(
-                    code="missing_component",
-                    message=f"is missing: a registered object's state, which the save before "
-                    f"it ({before.name}) holds; accelerate's load_state refuses a save with "
-                    "fewer custom checkpoints than registered objects",
-                    file=source.storage.describe(folder.rel(name)),
-                    fix=fix,
-                )
-            )
+    problems = [
+        lost_since(
+            source,
+            folder.rel(name),
+            f"a registered object's state, which the save before it ({before.name}) holds; "
+            "accelerate's load_state refuses a save with fewer custom checkpoints than "
+            "registered objects",
+        )
+        for name in sorted(names)
+        if layout.after_last_file is not None
+        and layout.after_last_file.fullmatch(name)
+        and not folder.has(name)
+    ]
     problems.extend(ranks_lost_since(source, folder, layout, before.name, names))
     problems.extend(_rng_lost_since(source, folder, layout, before.name, names))
     return problems
@@ -358,8 +342,7 @@ def _rng_lost_since(
             "loader goes on without them (it logs a line), so a resumed run silently draws "
             "other random numbers (dropout, sampling) than the run it continues",
             file=source.storage.describe(folder.rel(layout.rank_file_name(rank, world))),
-            fix="Copy it again from where the run saved it, or use another checkpoint of the "
-            "run (`ckpt latest` names the newest whole one).",
+            fix=LOST_SINCE_FIX,
         )
         for rank in ranks
     ]
@@ -469,8 +452,7 @@ def _missing_objects(source: Source, folder: Folder) -> list[Problem]:
                 message=f"is missing: {kind} {index}'s state, which {why}; this save cannot "
                 "resume training where it stopped",
                 file=where,
-                fix="Copy it again from where the run saved it, or use another checkpoint of "
-                "the run (`ckpt latest` names the newest whole one).",
+                fix=LOST_SINCE_FIX,
             )
         )
 

@@ -24,6 +24,7 @@ from .composite import (
     numbered,
     rank_component,
 )
+from .save_before import LOST_SINCE_FIX
 
 
 def missing_rank_files(
@@ -329,8 +330,7 @@ def ranks_lost_since(
             "and goes on), so a resumed run silently draws other random numbers than the "
             "run it continues",
             file=source.storage.describe(folder.rel(layout.rank_file_name(rank, world))),
-            fix="Copy it again from where the run saved it, or use another checkpoint of the "
-            "run (`ckpt latest` names the newest whole one)."
+            fix=LOST_SINCE_FIX
             # a run of any number of processes has a rank 0: only a rank above can be gone
             + (fewer if rank >= saved.world else ""),
         )

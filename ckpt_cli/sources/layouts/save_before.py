@@ -17,7 +17,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...formats.base import Source
+from ...models import Problem
 from ...storage import Storage
+
+#: the fix of a file a checkpoint lacks that the save before it holds
+LOST_SINCE_FIX = (
+    "Copy it again from where the run saved it, or use another checkpoint of the run "
+    "(`ckpt latest` names the newest whole one)."
+)
+
+
+def lost_since(source: Source, rel: str, what: str) -> Problem:
+    """`missing_component` for `rel` (a path in the checkpoint `source` opens) that the save
+    before it holds; `what` says what the file is and why the save needs it."""
+    return Problem(
+        code="missing_component",
+        message=f"is missing: {what}",
+        file=source.storage.describe(rel),
+        fix=LOST_SINCE_FIX,
+    )
 
 
 @dataclass(frozen=True)
