@@ -1,12 +1,16 @@
 """Benchmark `ckpt sync` against `s3fs put --recursive` on an S3-compatible store. By hand only.
 
     PYTHONPATH=. python bench/sync.py [--mb 64] [--saves 3] [--files 8] [--rounds 3]
-                                      [--checking-store] [--baseline /path/to/other/checkout]
+                                      [--checking-store] [--tls]
+                                      [--baseline /path/to/other/checkout]
 
 Starts moto's S3 server in its own process on 127.0.0.1 (a middleware counts requests by kind,
 request body bytes and the server's own CPU time; with `--checking-store` it also refuses a
 body that does not match its `x-amz-checksum-crc32`/`-sha256` with BadDigest, as S3 does,
-which moto does not), writes a run folder of Trainer-style saves
+which moto does not; with `--tls` it is reached over HTTPS, as S3 is, with a self-signed
+certificate both tools trust through `AWS_CA_BUNDLE`: there botocore's own uploads, s3fs
+put's, stream their body with a CRC32 in a trailer, which this server leaves unchecked, so
+the store's share of the work favours s3fs), writes a run folder of Trainer-style saves
 (`--files` weight shards with their index, optimizer.pt, scheduler.pt, rng_state.pth,
 trainer_state.json, config.json, training_args.bin; `--mb` MB each), then, in `--rounds`
 interleaved rounds (each tool a fresh process, order alternating, same server):
@@ -52,7 +56,7 @@ logging.getLogger("werkzeug").setLevel(logging.ERROR)
 app = DomainDispatcherApplication(create_backend_app)
 lock = threading.Lock()
 state = {"counts": Counter(), "bytes": 0, "cpu0": time.process_time()}
-CHECK = sys.argv[2:] == ["check"]
+CHECK = sys.argv[2] == "check"
 
 def matches(env, body):
     crc = env.get("HTTP_X_AMZ_CHECKSUM_CRC32")
@@ -85,8 +89,13 @@ def wsgi(env, start):
     with lock:
         state["counts"][kind(env)] += 1
         if env["REQUEST_METHOD"] in ("PUT", "POST"):
-            state["bytes"] += int(env.get("CONTENT_LENGTH") or 0)
-    if CHECK and env["REQUEST_METHOD"] == "PUT":
+            # a streamed body (aws-chunked, its checksum in a trailer: botocore's default over
+            # TLS) announces its length apart
+            sent = env.get("HTTP_X_AMZ_DECODED_CONTENT_LENGTH") or env.get("CONTENT_LENGTH")
+            state["bytes"] += int(sent or 0)
+    # a streamed body's trailing checksum is left to moto, which does not check it
+    streamed = "aws-chunked" in env.get("HTTP_CONTENT_ENCODING", "")
+    if CHECK and env["REQUEST_METHOD"] == "PUT" and not streamed:
         body = env["wsgi.input"].read(int(env.get("CONTENT_LENGTH") or 0))
         env["wsgi.input"] = io.BytesIO(body)
         if not matches(env, body):
@@ -94,29 +103,56 @@ def wsgi(env, start):
             return [b"<Error><Code>BadDigest</Code><Message>checksum</Message></Error>"]
     return app(env, start)
 
-httpd = make_server("127.0.0.1", int(sys.argv[1]), wsgi, threaded=True)
+context = None
+if len(sys.argv) > 3:
+    import ssl
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(sys.argv[3], sys.argv[4])
+httpd = make_server("127.0.0.1", int(sys.argv[1]), wsgi, threaded=True, ssl_context=context)
 print("ready", flush=True)
 httpd.serve_forever()
 """
 
 
-def start_server(check: bool = False) -> tuple[str, subprocess.Popen[str]]:
-    """moto's S3 app in its own process on a free port (`check`: checksums checked)."""
+def start_server(
+    check: bool = False, tls: tuple[Path, Path] | None = None
+) -> tuple[str, subprocess.Popen[str]]:
+    """moto's S3 app in its own process on a free port (`check`: checksums checked; `tls`:
+    its certificate and key, served over HTTPS)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    argv = [sys.executable, "-c", SERVER, str(port), "check" if check else "none"]
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER, str(port), *(["check"] if check else [])],
-        stdout=subprocess.PIPE,
-        text=True,
+        [*argv, *([str(tls[0]), str(tls[1])] if tls else [])], stdout=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    return f"http://127.0.0.1:{port}", proc
+    return f"{'https' if tls else 'http'}://127.0.0.1:{port}", proc
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate and key for 127.0.0.1 (openssl)."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"),
+            *("-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"),
+            *("-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
 
 
 def server_stats(endpoint: str, reset: bool = False) -> dict[str, Any]:
     request = urllib.request.Request(f"{endpoint}/_bench/stats", method="POST" if reset else "GET")
-    with urllib.request.urlopen(request, timeout=30) as answer:
+    context = None
+    if endpoint.startswith("https:"):
+        import ssl
+
+        context = ssl.create_default_context(cafile=os.environ["AWS_CA_BUNDLE"])
+    with urllib.request.urlopen(request, timeout=30, context=context) as answer:
         stats: dict[str, Any] = json.loads(answer.read())
         return stats
 
@@ -176,8 +212,13 @@ def main() -> None:
     parser.add_argument(
         "--checking-store", action="store_true", help="the server checks x-amz-checksum-*"
     )
+    parser.add_argument("--tls", action="store_true", help="the server is reached over HTTPS")
     opts = parser.parse_args()
-    endpoint, server = start_server(opts.checking_store)
+    tls = None
+    if opts.tls:
+        tls = self_signed(Path(tempfile.mkdtemp()))
+        os.environ["AWS_CA_BUNDLE"] = str(tls[0])
+    endpoint, server = start_server(opts.checking_store, tls)
     try:
         run(opts, endpoint)
     finally:
@@ -277,7 +318,8 @@ def report(
         f"load: {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"store: {'checks checksums' if opts.checking_store else 'moto (checks none)'}\n"
+        f"store: {'checks checksums' if opts.checking_store else 'moto (checks none)'}"
+        f"{', over TLS' if opts.tls else ''}\n"
         f"{'case':<14}{'tool':<15}{'wall s':>8}{'ratio':>7}{'cpu s':>7}{'srv cpu':>8}"
         f"{'reqs':>6}{'MB sent':>9}  requests by kind"
     )

@@ -22,6 +22,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,6 +42,9 @@ class S3Request:
     #: integrity headers sent with the body, name (lowercase) -> value: `content-md5`,
     #: `x-amz-checksum-crc32`, `x-amz-checksum-sha256`…
     checksums: dict[str, str] = field(default_factory=dict)
+    #: `x-amz-content-sha256`: the body's SHA-256 that the request's signature covers (a
+    #: signed payload), or `UNSIGNED-PAYLOAD` / a streaming mode
+    content_sha256: str | None = None
 
 
 @dataclass
@@ -98,8 +102,11 @@ class S3Server:
         return [r for r in self.requests if r.method == "GET" and r.path.endswith(key_suffix)]
 
 
-def _matches(checksums: dict[str, str], body: bytes) -> bool:
-    """Whether the body has the CRC32 / SHA-256 its request headers say (those present)."""
+def _matches(checksums: dict[str, str], signed: str | None, body: bytes) -> bool:
+    """Whether the body has the CRC32 / SHA-256 its request headers say (those present), and
+    the SHA-256 its signature covers where the payload is signed."""
+    if signed is not None and len(signed) == 64 and signed != hashlib.sha256(body).hexdigest():
+        return False
     crc32 = checksums.get("x-amz-checksum-crc32")
     if (
         crc32 is not None
@@ -120,11 +127,64 @@ def _free_port() -> int:
 @pytest.fixture
 def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
     """Start moto's S3 server on a free loopback port and point AWS clients at it."""
+    yield from _serve(monkeypatch, None)
+
+
+@pytest.fixture
+def s3_tls_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3Server]:
+    """The same server over HTTPS (as S3 itself is reached): a self-signed certificate for
+    127.0.0.1, which AWS clients trust through `AWS_CA_BUNDLE`."""
+    yield from _serve(monkeypatch, _self_signed(tmp_path / "tls"))
+
+
+def _self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate and key for 127.0.0.1 (cryptography: moto's own dependency)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+def _serve(monkeypatch: pytest.MonkeyPatch, tls: tuple[Path, Path] | None) -> Iterator[S3Server]:
     from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
     port = _free_port()
-    server = S3Server(endpoint=f"http://127.0.0.1:{port}")
+    scheme = "http" if tls is None else "https"
+    server = S3Server(endpoint=f"{scheme}://127.0.0.1:{port}")
     moto_app = DomainDispatcherApplication(create_backend_app)
 
     def logged(environ: dict[str, Any], start_response: Any) -> Any:
@@ -139,6 +199,7 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
                 for key, value in environ.items()
                 if key in ("HTTP_CONTENT_MD5",) or key.startswith("HTTP_X_AMZ_CHECKSUM_")
             },
+            environ.get("HTTP_X_AMZ_CONTENT_SHA256"),
         )
         server.requests.append(request)
         server.enter()
@@ -153,12 +214,17 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
                     b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
                     b"<Message>Access Denied</Message></Error>"
                 ]
-            if server.checks_checksums or server.corrupt is not None:
+            # a streamed body (aws-chunked, its CRC32 in a trailer: botocore's own default
+            # over TLS, as boto3's helpers here send) is left whole to moto
+            streamed = "aws-chunked" in environ.get("HTTP_CONTENT_ENCODING", "")
+            if (server.checks_checksums or server.corrupt is not None) and not streamed:
                 body = environ["wsgi.input"].read(request.length) if request.length else b""
                 if body and server.corrupt is not None and server.corrupt(request):
                     body = bytes([body[0] ^ 0xFF]) + body[1:]
                 environ["wsgi.input"] = io.BytesIO(body)
-                if server.checks_checksums and not _matches(request.checksums, body):
+                if server.checks_checksums and not _matches(
+                    request.checksums, request.content_sha256, body
+                ):
                     start_response("400 Bad Request", [("Content-Type", "application/xml")])
                     return [
                         b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>BadDigest</Code>"
@@ -173,14 +239,27 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
 
     # fsspec caches filesystem instances; a cached one would still talk to an old server
     s3fs.S3FileSystem.clear_instance_cache()
-    httpd = make_server("127.0.0.1", port, logged, threaded=True)
+    context = None
+    if tls is not None:
+        import ssl
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*tls)
+    httpd = make_server("127.0.0.1", port, logged, threaded=True, ssl_context=context)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     # moto keeps its buckets in module-level state: start every test with an empty store
     import urllib.request
 
+    trusted = None
+    if tls is not None:
+        import ssl
+
+        trusted = ssl.create_default_context(cafile=str(tls[0]))
     urllib.request.urlopen(
-        urllib.request.Request(f"{server.endpoint}/moto-api/reset", method="POST"), timeout=10
+        urllib.request.Request(f"{server.endpoint}/moto-api/reset", method="POST"),
+        timeout=10,
+        context=trusted,
     ).close()
     server.requests.clear()
     for key, value in {
@@ -191,6 +270,8 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
         "FSSPEC_S3_ENDPOINT_URL": server.endpoint,
     }.items():
         monkeypatch.setenv(key, value)
+    if tls is not None:
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(tls[0]))
     try:
         yield server
     finally:

@@ -1358,56 +1358,48 @@ def test_a_checkpoints_data_files_go_up_largest_first(
     assert order[-1].endswith("trainer_state.json")
 
 
-def test_files_are_read_and_hashed_while_the_store_answers_the_checksum_question(
+def test_files_are_read_while_the_store_answers_the_checksum_question(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The store's checksum question goes out before the first upload and is awaited only
     where it decides what is sent: the question is answered only once a data file has been
-    hashed (had the uploads waited for the answer first, nothing would be hashed while it
-    waits, and it gives up), and every body is still checked (Content-MD5 and the ETag:
-    moto checks no checksum)."""
+    read (had the uploads waited for the answer first, nothing would be read while it waits,
+    and it gives up), and every body is still checked (Content-MD5 and the ETag: moto checks
+    no checksum)."""
     import threading
 
     import boto3
 
-    from ckpt_cli.ops.sync import push
+    from ckpt_cli.storage import object_upload
     from ckpt_cli.storage.object_upload import ObjectUploader
 
     make_bucket(s3_server.endpoint, BUCKET)
     out = trainer_run(tmp_path, steps=(100,))
-    # sync's record of the destination is there already: the first bytes hashed are data
+    # sync's record of the destination is there already: the first bytes read are data
     boto3.client("s3", endpoint_url=s3_server.endpoint).put_object(
         Bucket=BUCKET, Key="run/.ckpt-sync.json", Body=b"{}"
     )
-    hashing = threading.Event()
+    reading = threading.Event()
+    real_read = object_upload.read_for_upload
 
-    class Hashed:
-        def __init__(self) -> None:
-            self._inner = hashlib.sha256()
+    def read(src: object, size: int) -> bytes:
+        data = real_read(src, size)
+        reading.set()
+        return data
 
-        def update(self, data: bytes) -> None:
-            self._inner.update(data)
-            hashing.set()
-
-        def hexdigest(self) -> str:
-            return self._inner.hexdigest()
-
-    real_factory = push.hasher_factory
-    monkeypatch.setattr(
-        push, "hasher_factory", lambda algo: Hashed if algo == "sha256" else real_factory(algo)
-    )
-    answered_after_hashing: list[bool] = []
+    monkeypatch.setattr(object_upload, "read_for_upload", read)
+    answered_after_reading: list[bool] = []
     real_ask = ObjectUploader._ask_store
 
     def ask(self: ObjectUploader) -> bool:
-        # the bound only ends a failing run: a passing one is released by the hashing
-        answered_after_hashing.append(hashing.wait(timeout=30))
+        # the bound only ends a failing run: a passing one is released by the reading
+        answered_after_reading.append(reading.wait(timeout=30))
         return real_ask(self)
 
     monkeypatch.setattr(ObjectUploader, "_ask_store", ask)
     report = sync(str(out), f"s3://{BUCKET}/run/")
     assert report.transferred == ["checkpoint-100"] and not report.failed, report.failed
-    assert answered_after_hashing == [True]
+    assert answered_after_reading == [True]
     puts = [r for r in s3_server.requests if r.method == "PUT" and "checkpoint-100/" in r.path]
     assert puts and all("content-md5" in r.checksums for r in puts)
     checked = run_ckpt("verify", f"s3://{BUCKET}/run/checkpoint-100", "--checksums", "--json")
@@ -1437,12 +1429,12 @@ def test_a_file_sent_in_one_put_is_hashed_once_for_its_manifest(
     s3_server: S3Server, tmp_path: Path, store: str
 ) -> None:
     """Over plain HTTP botocore signs each body's SHA-256 (`X-Amz-Content-SHA256`); for a
-    file sent in one PUT that is the digest a sha256 manifest records, so an upload to a
-    store that checks no checksum takes it instead of hashing the file's bytes again (its
-    MD5, which the reply's ETag must match, is still computed). A client that signs no
-    payload gets the file hashed here, as before. A store that checks checksums gets the
-    SHA-256 in `x-amz-checksum-sha256`, hashed here before the request. The digest is right
-    in every case."""
+    file sent in one PUT that is the digest a sha256 manifest records, so an upload takes it
+    instead of hashing the file's bytes again: to a store that checks no checksum with its
+    MD5 (which the reply's ETag must match), to one that checks checksums with its CRC32
+    (which the store checks, and the signed SHA-256 too). A client that signs no payload
+    gets the file hashed here, and a store that checks checksums then gets the SHA-256 in
+    `x-amz-checksum-sha256`. The digest is right in every case."""
     import s3fs
 
     from ckpt_cli.storage.object_upload import ObjectUploader
@@ -1467,9 +1459,8 @@ def test_a_file_sent_in_one_put_is_hashed_once_for_its_manifest(
         def hexdigest(self) -> str:
             return self._inner.hexdigest()
 
-    checks = store == "checks checksums"
     for case, config, here in (
-        ("signed", {}, len(data) if checks else 0),
+        ("signed", {}, 0),
         ("unsigned", {"s3": {"payload_signing_enabled": False}}, len(data)),
     ):
         hashed.clear()
@@ -1489,9 +1480,15 @@ def test_a_file_sent_in_one_put_is_hashed_once_for_its_manifest(
             assert up.checked and up.expected_etag is None
             put = [r for r in s3_server.requests if r.path.endswith(path.name)]
             assert [r.method for r in put] == ["PUT"]
-            assert put[0].checksums == {
-                "x-amz-checksum-sha256": _b64(hashlib.sha256(data).digest())
-            }
+            if case == "signed":
+                assert put[0].checksums == {
+                    "x-amz-checksum-crc32": _b64(zlib.crc32(data).to_bytes(4, "big"))
+                }
+                assert put[0].content_sha256 == hashlib.sha256(data).hexdigest()
+            else:
+                assert put[0].checksums == {
+                    "x-amz-checksum-sha256": _b64(hashlib.sha256(data).digest())
+                }
         else:
             assert up.expected_etag == up.etag == hashlib.md5(data).hexdigest(), case
         assert fetch_object(s3_server.endpoint, BUCKET, f"{case}/{path.name}") == data
@@ -1896,8 +1893,9 @@ def test_a_store_that_checks_checksums_gets_each_files_sha256_and_refuses_a_dama
     s3_server: S3Server, tmp_path: Path
 ) -> None:
     """To a store that checks `x-amz-checksum-*` (as S3 does), each file goes with the SHA-256
-    its manifest records, and no MD5 is computed: a body damaged on the way is refused by the
-    store, its checkpoint is not published, and the next sync publishes it whole."""
+    its manifest records (over plain HTTP the one its request's signature covers, beside a
+    CRC32 the store checks too), and no MD5 is computed: a body damaged on the way is refused
+    by the store, its checkpoint is not published, and the next sync publishes it whole."""
     make_bucket(s3_server.endpoint, BUCKET)
     s3_server.checks_checksums = True
     out = trainer_run(tmp_path, steps=(100, 200))
@@ -1919,9 +1917,8 @@ def test_a_store_that_checks_checksums_gets_each_files_sha256_and_refuses_a_dama
             for r in s3_server.requests
             if r.method == "PUT" and r.path == f"/{BUCKET}/run/checkpoint-100/{name}"
         ]
-        assert put.checksums == {"x-amz-checksum-sha256": _b64(bytes.fromhex(entry["digest"]))}, (
-            name
-        )
+        assert put.content_sha256 == entry["digest"], name
+        assert set(put.checksums) == {"x-amz-checksum-crc32"}, name
     s3_server.corrupt = None
     again = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
     assert again.exit_code == 0, again.stdout
@@ -2559,3 +2556,55 @@ def test_a_pull_cut_inside_a_file_resumes_that_file_where_it_stopped(
     assert (first_half <= set(asked)) == (kept == "torn"), asked
     assert (fresh / "checkpoint-100" / big.name).read_bytes() == big.read_bytes()
     assert not part.exists()
+
+
+@pytest.mark.slow  # uploads 64 MiB through moto over TLS, checksummed (~10 s)
+def test_over_tls_each_body_is_hashed_once_and_checked_by_the_store_all_the_same(
+    s3_tls_server: S3Server, tmp_path: Path
+) -> None:
+    """Over HTTPS (how S3 is reached) botocore leaves a body's SHA-256 out of the request's
+    signature when TLS and a checksum header protect it; it recognised only the checksums it
+    computed itself, so every body ckpt sent with its own `x-amz-checksum-*` was hashed once
+    more to be signed: a whole SHA-256 pass over each file, beside the manifest's. Now such
+    requests go as an unsigned payload: the store still checks every body (a damaged one is
+    refused, its checkpoint not published), and what lands is byte for byte the file."""
+    from safetensors.torch import save_file
+
+    from ckpt_cli.storage.object_upload import SINGLE_PUT_MAX
+
+    make_bucket(s3_tls_server.endpoint, BUCKET)
+    s3_tls_server.checks_checksums = True
+    out = trainer_run(tmp_path, steps=(100, 200))
+    big = tmp_path / "big" / "step-1"
+    big.mkdir(parents=True)
+    save_file(
+        {"w": torch.arange(SINGLE_PUT_MAX // 4 + 10, dtype=torch.float32)}, big / "m.safetensors"
+    )
+    os.utime(big / "m.safetensors", (time.time() - 7200,) * 2)
+    os.utime(big, (time.time() - 7200,) * 2)  # a plain save: settled, not being written
+    s3_tls_server.corrupt = lambda r: r.method == "PUT" and r.path.endswith("200/optimizer.pt")
+    first = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert first.exit_code == 1, first.stdout
+    assert "optimizer.pt" in first.json["result"]["failed"][0]
+    assert "run/checkpoint-200/ckpt-manifest.json" not in list_keys(s3_tls_server.endpoint, BUCKET)
+    s3_tls_server.corrupt = None
+    again = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert again.exit_code == 0, again.stdout
+    assert sync(str(tmp_path / "big"), f"s3://{BUCKET}/big/").transferred == ["step-1"]
+    bodies = [
+        r
+        for r in s3_tls_server.requests
+        if r.method == "PUT" and r.length and not is_lease(r.path) and "probe" not in r.path
+    ]
+    parts = [r for r in bodies if "partNumber=" in r.query]
+    assert len(parts) >= 4 and len(bodies) > len(parts)
+    for body in bodies:
+        assert body.checksums, body.path  # the store checks each one
+        assert body.content_sha256 == "UNSIGNED-PAYLOAD", (body.path, body.content_sha256)
+    for name in ("run/checkpoint-100", "run/checkpoint-200", "big/step-1"):
+        checked = run_ckpt("verify", f"s3://{BUCKET}/{name}", "--checksums", "--json")
+        assert checked.exit_code == 0, checked.stdout
+    assert (
+        fetch_object(s3_tls_server.endpoint, BUCKET, "big/step-1/m.safetensors")
+        == (big / "m.safetensors").read_bytes()
+    )

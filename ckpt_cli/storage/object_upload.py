@@ -7,16 +7,21 @@ so that each upload is checked by the store's reply, with no listing or HEAD aft
 Integrity: a store that checks the flexible checksums of requests (`x-amz-checksum-*`, as S3
 does) is found once per uploader (`checks_checksums`: a tiny PUT with a wrong CRC32 must be
 refused; asked in the background as soon as something is to be sent, `ask_early`, and awaited
-by each upload only once its bytes are read and hashed, where the answer decides whether an
-MD5 is computed too); to such a store each single PUT carries the SHA-256 the manifest
-records anyway (hashed in the read that feeds the upload, so no byte is hashed twice) and each
-part its CRC32 (cheap: ISA-L's), and the store refuses any body that does not match: no MD5
-is computed. A store that does not refuse the wrong checksum (moto, some S3-compatible
-servers) gets `Content-MD5` with each body, and the ETag of its reply (MD5 of the bytes it
-received) is compared with the MD5 of the bytes sent; a part there also carries the CRC32
-botocore would otherwise compute with zlib (`crc32_by_default`), and a single PUT's SHA-256
-for the manifest is the one botocore signs over plain HTTP (`SignedPayloads`), not a second
-pass over the bytes. A file under `SINGLE_PUT_MAX` bytes goes up in one PUT; a larger one as a multipart upload
+by each upload only once its bytes are read, where the answer decides what is sent). The
+store checks every body, and each byte is hashed with SHA-256 once, for the manifest (save
+a part's over plain HTTP, which botocore always signs):
+- to a store that checks checksums, over TLS, a single PUT carries that SHA-256 in
+  `x-amz-checksum-sha256` (S3 keeps it as the object's checksum) and each part its CRC32
+  (ISA-L's: cheap), and the payload goes unsigned (`leave_checked_unsigned`: botocore would
+  otherwise hash every such body again to sign it); over plain HTTP, where botocore always
+  signs a body's SHA-256, a single PUT carries its CRC32 and the SHA-256 is the signed one
+  (`SignedPayloads`);
+- a store that does not refuse a wrong checksum (moto, some S3-compatible servers) gets
+  `Content-MD5` with each body, and the ETag of its reply (MD5 of the bytes it received) is
+  compared with the MD5 of the bytes sent; a part there also carries the CRC32 botocore would
+  otherwise compute with zlib (`crc32_by_default`), and a single PUT's SHA-256 is the signed
+  one where botocore signs it.
+A file under `SINGLE_PUT_MAX` bytes goes up in one PUT; a larger one as a multipart upload
 of `UPLOAD_BLOCK` parts, its parts sent side by side in a shared pool while the file is still
 being read and hashed in order. Memory: the bytes read and not yet sent are bounded by
 `budget` (two `UPLOAD_BLOCK`s per job), whatever the file sizes.
@@ -124,10 +129,17 @@ class SignedPayloads:
         self._wanted: dict[tuple[str, int, str, str], str | None] = {}
 
     def attach(self, client: Any) -> None:
-        """Listen on `client` (botocore's, or aiobotocore's) for the PUTs it sends."""
+        """Listen on `client` (botocore's, or aiobotocore's) for the PUTs it sends, and leave
+        the bodies a checksum header protects over TLS unsigned (`leave_checked_unsigned`)."""
         client.meta.events.register(
             "before-send.s3.PutObject", self._seen, unique_id=f"ckpt-signed-payloads-{id(self)}"
         )
+        for operation in ("PutObject", "UploadPart"):
+            client.meta.events.register(
+                f"before-sign.s3.{operation}",
+                leave_checked_unsigned,
+                unique_id=f"ckpt-unsigned-{operation}",
+            )
 
     def expect(self, key: str, length: int, header: str, value: str) -> None:
         """Announce a PUT of `length` bytes to `key` sent with this checksum header."""
@@ -158,6 +170,32 @@ class SignedPayloads:
                 ):
                     self._wanted[wanted] = signed
                     return
+
+
+def leave_checked_unsigned(request: Any, **_: Any) -> None:
+    """botocore's own rule for a body's signature, completed: over TLS, a body sent with a
+    checksum header that the store checks goes as an unsigned payload (`UNSIGNED-PAYLOAD`),
+    since TLS and the checksum already protect it. botocore applies the rule to Content-MD5
+    and to the checksums it computes itself, but not to an `x-amz-checksum-*` its caller
+    sets, as ckpt does (the SHA-256 a manifest records, a part's CRC32): it then hashed each
+    such body once more with SHA-256 to sign it, a whole pass over every byte uploaded to S3.
+    A user's own `payload_signing_enabled` setting stands; plain HTTP is always signed."""
+    if not str(request.url).startswith("https:"):
+        return
+    if not any(str(name).lower().startswith("x-amz-checksum-") for name in request.headers):
+        return
+    config = request.context.get("client_config")
+    if config is None or "payload_signing_enabled" in (config.s3 or {}):
+        return
+    request.context["client_config"] = _payload_unsigned(config)
+
+
+@functools.lru_cache(maxsize=8)
+def _payload_unsigned(config: Any) -> Any:
+    """`config` with payloads left unsigned (one per client configuration)."""
+    from botocore.config import Config
+
+    return config.merge(Config(s3={**(config.s3 or {}), "payload_signing_enabled": False}))
 
 
 def _text(value: str | bytes | None) -> str | None:
@@ -378,8 +416,11 @@ class ObjectUploader:
     def _put(self, data: bytes, target: str, hasher: Any, *, sha256: bool) -> UploadedFile:
         """One PUT of `data`, with the checksum the store checks, or its Content-MD5."""
         bucket, key, _ = self.fs.split_path(target)
-        if sha256 and self._checks is False:  # known by then (else hashed while asked)
-            return self._put_unchecked(data, target, hasher)
+        self._listen()
+        if sha256 and (self._checks is False or self._signs_payloads()):
+            # the SHA-256 comes from the request's signature (or is hashed after it); else
+            # (TLS, unsigned) it is hashed here while the store's answer is awaited, and sent
+            return self._put_hashed_by_signature(data, target, hasher, self.checks_checksums())
         hasher.update(data)
         # asked once the bytes are hashed: the answer, on its way since `ask_early`, decides
         # only whether an MD5 is computed too
@@ -406,35 +447,61 @@ class ObjectUploader:
             checked=checks,
         )
 
-    def _put_unchecked(self, data: bytes, target: str, hasher: Any) -> UploadedFile:
-        """One PUT of `data`, for a SHA-256 manifest, to a store known to check no
-        `x-amz-checksum-*`: sent with its Content-MD5 (the reply's ETag must be it), its
-        SHA-256 taken from the request's signature where botocore signs the payload (plain
-        HTTP: `SignedPayloads`), hashed here only where it signs none. (To a store that
-        checks checksums the SHA-256 goes in `x-amz-checksum-sha256`, so it is needed before
-        the request is made: `_put`.)"""
+    def _put_hashed_by_signature(
+        self, data: bytes, target: str, hasher: Any, checks: bool
+    ) -> UploadedFile:
+        """One PUT of `data` for a SHA-256 manifest whose digest is taken from the request's
+        signature where botocore signs the payload (plain HTTP: `SignedPayloads`), hashed
+        here only where it signs none. To a store that checks checksums it goes with its
+        CRC32 (ISA-L's: a fraction of a SHA-256 pass), which the store checks; to one that
+        checks none, with its Content-MD5, which the reply's ETag must be. (Over TLS a store
+        that checks checksums gets the SHA-256 itself in `x-amz-checksum-sha256`, which it
+        keeps as the object's checksum, and the payload goes unsigned: `_put`.)"""
         bucket, key, _ = self.fs.split_path(target)
-        self._listen()
-        md5 = hashlib.md5(data).digest()
-        sent = {"ContentMD5": _b64(md5)}
-        if self.crc32_by_default():
-            # else botocore adds a CRC32 of its own, with zlib's slower pass
+        md5 = None if checks else hashlib.md5(data).digest()
+        sent: dict[str, str] = {}
+        if md5 is not None:
+            sent["ContentMD5"] = _b64(md5)
+        if checks or self.crc32_by_default():
+            # a store that checks nothing: else botocore adds a CRC32 of its own, with zlib's
+            # slower pass
             sent["ChecksumCRC32"] = _crc32(data)
-        self._signed.expect(key, len(data), "Content-MD5", sent["ContentMD5"])
+        header, value = (
+            ("Content-MD5", sent["ContentMD5"])
+            if md5
+            else (
+                "x-amz-checksum-crc32",
+                sent["ChecksumCRC32"],
+            )
+        )
+        self._signed.expect(key, len(data), header, value)
         self._pace(len(data))
         try:
             reply = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **sent)
         finally:
-            signed = self._signed.take(key, len(data), "Content-MD5", sent["ContentMD5"])
+            signed = self._signed.take(key, len(data), header, value)
         self.fs.invalidate_cache(target)
         _same_checksums(sent, reply, target)
         if signed is None:
             hasher.update(data)
             signed = hasher.hexdigest()
-        return UploadedFile(len(data), signed, md5.hex(), _etag(reply), checked=False)
+        return UploadedFile(
+            len(data), signed, None if md5 is None else md5.hex(), _etag(reply), checked=checks
+        )
+
+    def _signs_payloads(self) -> bool:
+        """Whether botocore signs each body's SHA-256: over plain HTTP, unless the user's
+        `payload_signing_enabled` says otherwise (over TLS it signs none ckpt sends:
+        `leave_checked_unsigned`)."""
+        meta = self.fs.s3.meta  # s3fs's client (connected by then)
+        chosen = (meta.config.s3 or {}).get("payload_signing_enabled")
+        if chosen is not None:
+            return bool(chosen)
+        return not str(meta.endpoint_url).startswith("https:")
 
     def _listen(self) -> None:
-        """`SignedPayloads` listens on s3fs's current client (once per client)."""
+        """`SignedPayloads` listens on s3fs's current client (once per client): every
+        upload's request goes through it."""
         client = self.fs.s3
         with self._lock:
             if self._listening is not client:
@@ -462,6 +529,7 @@ class ObjectUploader:
         self, src: Any, bucket: str, key: str, target: str, hasher: Any, checks: bool
     ) -> UploadedFile:
         extra = {"ChecksumAlgorithm": "CRC32"} if checks else {}
+        self._listen()
         mpu = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key, **extra)
         upload_id = mpu["UploadId"]
         crc_anyway = self.crc32_by_default()
