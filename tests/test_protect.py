@@ -1192,3 +1192,81 @@ def test_a_save_that_lost_a_file_and_was_repaired_keeps_its_save_time(tmp_path: 
     row = next(c for c in table if c["name"] == save.name)
     assert row["status"] == "complete" and row["mtime"] <= saved + 1
     assert "state" in torch.load(save / "optimizer.pt", weights_only=True)
+
+
+def test_a_garbled_checksum_manifest_of_a_protected_folder_is_written_again_by_repair(
+    tmp_path: Path,
+) -> None:
+    """The checksum manifest is outside the parity (`verify --write-manifest` may rewrite it
+    after `protect`), so a flipped byte in it left `verify --checksums` failing (exit 4, "write
+    it again") while `repair` said "intact, nothing to repair" (exit 0): a user with parity
+    had no repair. Now repair, having checked every protected file against the parity, writes
+    the manifest again from the parity's sha256 of each file (a dry run says it would), and
+    `verify --checksums` passes; the shards are not touched."""
+    model = tmp_path / "model"
+    state = _safetensors_model(model)
+    assert run_ckpt("verify", model, "--write-manifest").exit_code == 0
+    assert run_ckpt("protect", model, "--block-size", "4KiB").exit_code == 0
+    manifest = model / "ckpt-manifest.json"
+    good = json.loads(manifest.read_text())
+    raw = bytearray(manifest.read_bytes())
+    raw[raw.index(b"sha256")] ^= 0x20  # "Sha256": no algorithm ckpt knows
+    manifest.write_bytes(bytes(raw))
+    broken = run_ckpt("verify", model, "--checksums", "--json")
+    assert broken.exit_code == 4, broken.stdout
+    shards = {k: v for k, v in _digests(model).items() if k.endswith(".safetensors")}
+
+    plan = run_ckpt("repair", model, "--dry-run", "--json")
+    assert plan.exit_code == 1, plan.stdout
+    assert plan.json["result"]["rewritten"] == [str(manifest)]
+    assert manifest.read_bytes() == bytes(raw)  # a dry run writes nothing
+
+    repaired = run_ckpt("repair", model)
+    assert repaired.exit_code == 0, repaired.stdout + repaired.stderr
+    assert "ckpt-manifest.json" in repaired.stdout and "written again" in repaired.stdout
+    again = json.loads(manifest.read_text())
+    assert again["algorithm"] == "sha256" and again["files"] == good["files"]
+    assert run_ckpt("verify", model, "--checksums").exit_code == 0
+    assert {k: v for k, v in _digests(model).items() if k.endswith(".safetensors")} == shards
+    _assert_same(_read_safetensors(model), state)
+
+
+def test_a_garbled_checksum_manifest_beside_files_the_parity_does_not_cover_is_left_named(
+    tmp_path: Path,
+) -> None:
+    """A file added after `protect` has no digest in the parity: the manifest is not written
+    again from a partial record; repair says so and how to write it (exit 1)."""
+    model = tmp_path / "model"
+    _safetensors_model(model)
+    assert run_ckpt("verify", model, "--write-manifest").exit_code == 0
+    assert run_ckpt("protect", model, "--block-size", "4KiB").exit_code == 0
+    (model / "notes.txt").write_text("added later\n")
+    manifest = model / "ckpt-manifest.json"
+    cut = manifest.read_bytes()[:20]
+    manifest.write_bytes(cut)
+    repaired = run_ckpt("repair", model, "--json")
+    assert repaired.exit_code == 1, repaired.stdout
+    result = repaired.json["result"]
+    assert result["rewritten"] == [] and not result["ok"]
+    assert any(
+        "ckpt-manifest.json" in w and "--write-manifest --force" in w for w in result["warnings"]
+    ), result["warnings"]
+    assert manifest.read_bytes() == cut
+
+
+def test_a_lost_shard_and_a_garbled_checksum_manifest_are_both_mended_by_one_repair(
+    tmp_path: Path,
+) -> None:
+    model = tmp_path / "model"
+    state = _safetensors_model(model)
+    assert run_ckpt("verify", model, "--write-manifest").exit_code == 0
+    assert run_ckpt("protect", model, "--block-size", "4KiB").exit_code == 0
+    (model / "model-00002-of-00004.safetensors").unlink()
+    (model / "ckpt-manifest.json").write_text("{")
+    repaired = run_ckpt("repair", model, "--json")
+    assert repaired.exit_code == 0, repaired.stdout
+    result = repaired.json["result"]
+    assert result["rebuilt"] == [str(model / "model-00002-of-00004.safetensors")]
+    assert result["rewritten"] == [str(model / "ckpt-manifest.json")]
+    assert run_ckpt("verify", model, "--checksums").exit_code == 0
+    _assert_same(_read_safetensors(model), state)

@@ -11,11 +11,15 @@ from . import human_bytes, stdout
 def render_repair(report: RepairReport) -> None:
     """The verdict, then each damaged file and what happened to it."""
     if not report.damaged:
-        stdout.print(
-            f"{escape(report.location)}: [bold green]intact[/] "
-            f"({human_bytes(report.hashed_bytes)} checked), nothing to repair",
-            soft_wrap=True,
-        )
+        checked = f"({human_bytes(report.hashed_bytes)} checked)"
+        if not report.rewritten:
+            stdout.print(
+                f"{escape(report.location)}: [bold green]intact[/] {checked}, nothing to repair",
+                soft_wrap=True,
+            )
+            return
+        stdout.print(f"{escape(report.location)}: files [green]intact[/] {checked}", soft_wrap=True)
+        _print_rewritten(report)
         return
     if report.unrecoverable:
         verdict = (
@@ -34,4 +38,17 @@ def render_repair(report: RepairReport) -> None:
         else:
             tag = "[yellow]rebuildable[/]" if report.dry_run or report.unrecoverable else ""
         stdout.print(f"  {tag} {escape(damage_text(d))}", highlight=False, soft_wrap=True)
+    _print_rewritten(report)
     # the report's `warnings` go to stderr from `run_command`, as for every command
+
+
+def _print_rewritten(report: RepairReport) -> None:
+    """A file written again rather than rebuilt: the unreadable checksum manifest."""
+    done = "would be written again" if report.dry_run else "written again"
+    for path in report.rewritten:
+        stdout.print(
+            f"  [green]{done}[/] {escape(path)}: it was not readable; from the parity's sha256 "
+            "of each file",
+            highlight=False,
+            soft_wrap=True,
+        )

@@ -171,6 +171,10 @@ class RepairReport(Record):
         damaged: every damaged file found, with its blocks and whether it can be rebuilt.
         rebuilt: files rebuilt and published (verified against the manifest's sha256).
         unrecoverable: files that cannot be rebuilt (more than K losses in a stripe).
+        rewritten: files written again rather than rebuilt (would be, in a dry run): the
+            checksum manifest beside the protected files (`ckpt-manifest.json`, which the
+            parity does not cover) when it was no longer readable, written from the parity's
+            sha256 of each file once every file was found intact.
         hashed_bytes: bytes read and checked.
         warnings: what to know about the repair: a damaged file modified after `protect` is
             restored to its content as of `protect` (a deliberate edit would be undone), or
@@ -183,6 +187,7 @@ class RepairReport(Record):
     damaged: list[DamagedFile] = Field(default_factory=list)
     rebuilt: list[str] = Field(default_factory=list)
     unrecoverable: list[str] = Field(default_factory=list)
+    rewritten: list[str] = Field(default_factory=list)
     hashed_bytes: int = 0
     warnings: list[str] = Field(default_factory=list)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
 import shutil
 import stat
@@ -10,16 +11,25 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from ... import __version__
 from ...errors import FormatError, IOFailure, NoCheckpointError, NotFoundError
 from ...faults import io_failure
 from ...formats.names import is_commit_marker
 from ...models import Request
 from ...progress import NULL_PROGRESS, Progress
+from ...sources.runs.records import CHECKSUM_MANIFEST
 from ...storage import Storage
 from ...storage.output import current_umask, new_staging_folder, remove_dead_stagings
+from ..verify.checksums import (
+    ChecksumManifest,
+    FileDigest,
+    manifest_location,
+    read_manifest,
+    write_manifest,
+)
 from .codec import Codec, chunk_size, pad_block, slices
 from .layout import ParityLayout
-from .model import ProtectedFile, RepairReport
+from .model import ParityManifest, ProtectedFile, RepairReport
 from .scan import (
     ParityScan,
     damage_list,
@@ -111,6 +121,8 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
     ]
     if not report.damaged:
         report.warnings = misrecorded
+        if not misrecorded:
+            _mend_checksum_manifest(target, m, report)
         return report
     newer = set(newer_than_parity(target, m))
     report.unrecoverable = [d.path for d in report.damaged if not d.repairable]
@@ -137,6 +149,8 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
         return report
     if request.dry_run:
         report.ok = False  # damage remains until a real run
+        if not misrecorded:
+            _mend_checksum_manifest(target, m, report)
         return report
     for f in m.files:
         if not_a_file(target.storage, f.path):
@@ -151,7 +165,56 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
         with folder_time_kept(target, m.folder_mtime_ns):
             _publish_repaired(target, staged)
     report.rebuilt = [d.path for d in report.damaged]
+    if not misrecorded:
+        _mend_checksum_manifest(target, m, report)
     return report
+
+
+def _mend_checksum_manifest(target: ParityTarget, m: ParityManifest, report: RepairReport) -> None:
+    """Write the checksum manifest beside the protected files again when it is no longer
+    readable (damaged bytes: the parity does not cover it, since `verify --write-manifest`
+    may rewrite it after `protect`), from the parity's sha256 of each file, which the repair
+    has just found intact or rebuilt bit-exact. Only where the parity records every file the
+    folder holds: it cannot vouch for a file added since. A readable
+    manifest is `verify --checksums`'s to judge, never rewritten here."""
+    source = target.source
+    if source.target is not None or CHECKSUM_MANIFEST not in source.files:
+        return
+    path = manifest_location(source, None)
+    try:
+        read_manifest(path)
+        return
+    except (FormatError, NotFoundError) as exc:
+        problem = exc.problem
+    recorded = {f.path: f for f in m.files}
+    # (a file the parity records and the folder lost has just been rebuilt, or would be)
+    unvouched = sorted(set(target.files) - set(recorded))
+    if unvouched:
+        report.ok = False
+        report.warnings.append(
+            f"{path}: {problem}; not written again, because the parity has no record of "
+            f"{', '.join(target.storage.describe(n) for n in unvouched)} (added since `ckpt "
+            f"protect`): write it with `ckpt verify {source.location.raw} --write-manifest "
+            "--force` once the files are known good"
+        )
+        return
+    report.rewritten = [str(path)]
+    if report.dry_run:
+        report.ok = False  # the manifest stays unreadable until a real run
+        return
+    write_manifest(
+        path,
+        ChecksumManifest(
+            algorithm="sha256",
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            tool=f"ckpt {__version__}",
+            files={
+                name: FileDigest(size=f.size, digest=f.sha256)
+                for name, f in sorted(recorded.items())
+            },
+        ),
+        force=True,
+    )
 
 
 @contextmanager

@@ -318,7 +318,7 @@ def checksum_checks(
         # rank 0 alone writes; a failure there fails every rank of a torchrun launch
         with workers.together():
             if workers.leader:
-                _write_manifest(path, record, force)
+                write_manifest(path, record, force)
         report.manifest_written = True
         return
     report.checks.append("checksums")
@@ -509,7 +509,7 @@ def read_manifest(path: Destination) -> ChecksumManifest:
     return manifest
 
 
-def _write_manifest(path: Destination, record: ChecksumManifest, force: bool) -> None:
+def write_manifest(path: Destination, record: ChecksumManifest, force: bool) -> None:
     """Publish the manifest atomically (temporary sibling + one rename, or an upload)."""
     # python mode, not "json": pydantic turns a dict key that is not UTF-8 (a file name's lone
     # surrogates) into replacement characters, where json escapes it as `\udcff`, read back
