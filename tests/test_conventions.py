@@ -96,6 +96,10 @@ def invocations(world: dict[str, Path], tmp: Path) -> dict[str, list[str]]:
     """One real invocation per command (each writes into `tmp`)."""
     model = str(world["model"])
     run = trainer_run(tmp)
+    # protect writes its parity beside the file: a copy of its own
+    protected = tmp / "protected"
+    protected.mkdir()
+    (protected / "model.safetensors").write_bytes(world["model"].read_bytes())
     return {
         "inspect": ["inspect", model, "--list"],
         "verify": ["verify", model],
@@ -104,6 +108,8 @@ def invocations(world: dict[str, Path], tmp: Path) -> dict[str, list[str]]:
         "prune": ["prune", str(run), "--keep-last", "2"],
         "latest": ["latest", str(run)],
         "diff": ["diff", model, str(world["other"])],
+        "protect": ["protect", str(protected)],
+        "repair": ["repair", str(protected)],
     }
 
 

@@ -39,6 +39,8 @@ RESULT_MODELS: dict[str, list[str]] = {
     "doctor": ["ckpt_cli.ops.doctor.models:DoctorReport"],
     "sync": ["ckpt_cli.ops.sync.model:SyncReport"],
     "merge": ["ckpt_cli.ops.merge:MergeReport"],
+    "protect": ["ckpt_cli.ops.parity.model:ProtectReport"],
+    "repair": ["ckpt_cli.ops.parity.model:RepairReport"],
 }
 
 
