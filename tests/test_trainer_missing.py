@@ -6,6 +6,7 @@ checkpoint without one is fine."""
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 from .conftest import run_ckpt
@@ -122,6 +123,54 @@ def test_the_model_trainer_save_model_writes_is_no_unfinished_checkpoint(
     cut = shutil.copytree(final, tmp_path / "checkpoint-3")
     codes = {p["code"] for p in run_ckpt("verify", cut, "--json").json["result"]["problems"]}
     assert "missing_component" in codes
+
+
+def test_the_output_dir_an_example_script_ends_with_is_a_model_folder(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """transformers' example scripts end with `trainer.save_model()` and `trainer.save_state()`:
+    `output_dir` holds the weights, config.json, training_args.bin and the run's
+    trainer_state.json (what `push_to_hub` uploads, what is served). Plain `verify` failed it,
+    exit 1, with three errors (optimizer.pt, scheduler.pt and rng_state.pth "missing, but
+    training_args.bin says save_only_model=False"). It is a model folder: plain `verify` passes
+    it, `verify --resumable` still says it cannot resume; the same files in a folder named as a
+    save is (`checkpoint-N`, `last-checkpoint`) are a save that lost its training state."""
+    import torch
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    out = tmp_path / "out"
+    torch.manual_seed(0)
+    data = [{"input_ids": torch.arange(8) % 64, "labels": torch.arange(8) % 64} for _ in range(4)]
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=1,
+        save_strategy="no",
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(
+            model=LlamaForCausalLM.from_pretrained(tiny_llama), args=args, train_dataset=data
+        )
+        trainer.train()
+        trainer.save_model()
+        trainer.save_state()
+    assert (out / "trainer_state.json").is_file() and (out / "model.safetensors").is_file()
+
+    result = run_ckpt("verify", out, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["problems"] == []
+    resumable = run_ckpt("verify", out, "--resumable", "--json")
+    assert resumable.exit_code == 1
+    codes = {p["code"] for p in resumable.json["result"]["problems"]}
+    assert "missing_optimizer" in codes
+    for name in ("checkpoint-1", "last-checkpoint"):
+        saved = shutil.copytree(out, tmp_path / "run" / name)
+        problems = run_ckpt("verify", saved, "--json").json["result"]["problems"]
+        assert "optimizer.pt" in {p["file"].rsplit("/", 1)[-1] for p in problems}, name
 
 
 def test_a_checkpoint_holding_another_saves_trainer_state_fails_verify_and_is_no_latest(

@@ -215,12 +215,26 @@ def _model_only(source: Source, folder: Folder) -> bool:
     """A folder `Trainer.save_model()` wrote (the weights, `config.json` and the
     `training_args.bin` it saves beside them), not a `checkpoint-N/`: nothing of the training
     state is expected in it. A checkpoint cut short after its model looks the same, but is
-    named `checkpoint-N` (or has some other Trainer file)."""
+    named `checkpoint-N` (or has some other Trainer file).
+
+    The example scripts end with `trainer.save_model()` and `trainer.save_state()`, which adds
+    the run's `trainer_state.json` beside the weights (the `output_dir` a Trainer pushes to the
+    Hub): with the weights there and none of the optimizer, scheduler or RNG files it is that
+    model folder too, unless named as a save is (`checkpoint-N`, the `last-checkpoint/` a
+    Trainer pushes to be resumed from)."""
+    from ..runs.naming import TRAINER_LAST_CHECKPOINT
+
     name = source.location.raw.rstrip("/").rsplit("/", 1)[-1]
+    if Trainer.step_folder.fullmatch(name) is not None or folder.matching(_RNG):
+        return False
+    if not any(folder.has(m) for m in _MARKERS):
+        return True
     return (
-        Trainer.step_folder.fullmatch(name) is None
-        and not any(folder.has(m) for m in _MARKERS)
-        and not folder.matching(_RNG)
+        name != TRAINER_LAST_CHECKPOINT
+        and not any(folder.has(m) for m in _MARKERS if m != "trainer_state.json")
+        and not folder.has("optimizer.bin")
+        and not folder.has_dir("optimizer_0")
+        and bool(folder.matching(_WEIGHT_NAMES))
     )
 
 
