@@ -240,6 +240,12 @@ CODES: dict[str, Code] = _codes(
     ),
     Code("no_local_copy", _W, "no file of the Hub commit is in the local cache to check"),
     Code("not_checked", _W, "checks skipped because of the problems above"),
+    Code(
+        "nested_saves",
+        _W,
+        "the checkpoint's folder also holds saves of a run (`checkpoint-N/`...): not checked "
+        "or counted with it",
+    ),
     Code("size_changed", _E, "a file's size differs from the manifest's"),
     Code(
         "rewritten_index",

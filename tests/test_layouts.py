@@ -93,6 +93,42 @@ def test_trainer_checkpoint_is_recognised_and_resumable(trainer_run: Path) -> No
     assert training_checks(opened) == []
 
 
+def test_a_trainer_save_with_gradient_accumulation_replays_its_batches(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A Trainer run with `gradient_accumulation_steps=2` saved at step 2 has seen 4 batches,
+    and `resume_from_checkpoint` skips those 4 (`_init_training_state` multiplies the steps by
+    the accumulation): `inspect` said `skips_batches=2`, the step count, as if each optimizer
+    step took one batch. It reads the accumulation from `training_args.bin` (never
+    unpickled)."""
+    import warnings
+
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    data = [{"input_ids": torch.arange(8) % 64, "labels": torch.arange(8) % 64} for _ in range(16)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=2,
+        save_steps=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = LlamaForCausalLM.from_pretrained(tiny_llama)
+        Trainer(model=model, args=args, train_dataset=data).train()
+    training = run_ckpt("inspect", tmp_path / "run" / "checkpoint-2", "--json").json["result"][
+        "training"
+    ]
+    assert training["step"] == 2
+    assert training["dataloader"] == {"kind": "replayed", "skips_batches": 4}
+    assert training["exact"] is True
+
+
 def test_trainer_without_optimizer_is_not_resumable(trainer_run: Path, tmp_path: Path) -> None:
     folder = _copy(trainer_run, tmp_path / "checkpoint-4")
     (folder / "optimizer.pt").unlink()

@@ -2010,3 +2010,29 @@ def test_merge_of_loha_and_lokr_on_1d_convolutions(tmp_path: Path, variant: str)
     got = load_file(out / "model.safetensors")
     assert got.keys() == want.keys()
     assert [n for n in want if not torch.equal(got[n], want[n])] == []
+
+
+def test_diff_compares_the_module_sets_of_an_adapter_config_as_sets(
+    lora_adapter: Path, tmp_path: Path
+) -> None:
+    """A LoRA run resumed with `Trainer.train(resume_from_checkpoint=...)` writes the same
+    adapter as the run that never stopped, but peft holds `target_modules` as a set and writes
+    it in the process's hash order (`PYTHONHASHSEED`): `adapter_config.json` said
+    `["v_proj", "q_proj"]` in one save and `["q_proj", "v_proj"]` in the other, and
+    `ckpt diff` (the restart test's judge) said DIFFERENT, exit 1, of two bit-identical
+    adapters. The module sets are compared as sets; a module added is still a difference."""
+    resumed = shutil.copytree(lora_adapter, tmp_path / "resumed")
+    config_file = resumed / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    # what the other process writes: the same set, in its own order
+    config["target_modules"] = list(reversed(config["target_modules"]))
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
+    same = run_ckpt("diff", lora_adapter, resumed, "--json")
+    assert same.exit_code == 0, same.stdout + same.stderr
+    assert same.json["result"]["identical"] is True
+
+    config["target_modules"] = ["q_proj", "v_proj", "k_proj"]
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
+    grown = run_ckpt("diff", lora_adapter, resumed)
+    assert grown.exit_code == 1
+    assert "adapter_config.json:target_modules" in grown.stdout

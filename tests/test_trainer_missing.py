@@ -5,7 +5,9 @@ checkpoint without one is fine."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import warnings
 from pathlib import Path
 
 from .conftest import run_ckpt
@@ -122,6 +124,92 @@ def test_the_model_trainer_save_model_writes_is_no_unfinished_checkpoint(
     cut = shutil.copytree(final, tmp_path / "checkpoint-3")
     codes = {p["code"] for p in run_ckpt("verify", cut, "--json").json["result"]["problems"]}
     assert "missing_component" in codes
+
+
+def _example_script_output(tiny_llama: Path, out: Path, *, save_steps: int | None) -> Path:
+    """What a transformers example script leaves in `output_dir`: a Trainer run of 2 steps
+    (saving `checkpoint-N/` every `save_steps`, or none), then `trainer.save_model()` and
+    `trainer.save_state()` (the final model, training_args.bin and trainer_state.json)."""
+    import torch
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    data = [{"input_ids": torch.arange(8) % 64, "labels": torch.arange(8) % 64} for _ in range(4)]
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=2,
+        save_strategy="no" if save_steps is None else "steps",
+        save_steps=save_steps or 500,
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(
+            model=LlamaForCausalLM.from_pretrained(tiny_llama), args=args, train_dataset=data
+        )
+        trainer.train()
+        trainer.save_model()
+        trainer.save_state()
+    return out
+
+
+def test_the_output_dir_an_example_script_ends_with_is_a_model_folder(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """transformers' example scripts end with `trainer.save_model()` and `trainer.save_state()`:
+    `output_dir` holds the weights, config.json, training_args.bin and the run's
+    trainer_state.json (what `push_to_hub` uploads, what is served). Plain `verify` failed it,
+    exit 1, with three errors (optimizer.pt, scheduler.pt and rng_state.pth "missing, but
+    training_args.bin says save_only_model=False"). It is a model folder: plain `verify` passes
+    it, `verify --resumable` still says it cannot resume; the same files in a folder named as a
+    save is (`checkpoint-N`, `last-checkpoint`) are a save that lost its training state."""
+    out = _example_script_output(tiny_llama, tmp_path / "out", save_steps=None)
+    assert (out / "trainer_state.json").is_file() and (out / "model.safetensors").is_file()
+
+    result = run_ckpt("verify", out, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert result.json["result"]["problems"] == []
+    resumable = run_ckpt("verify", out, "--resumable", "--json")
+    assert resumable.exit_code == 1
+    codes = {p["code"] for p in resumable.json["result"]["problems"]}
+    assert "missing_optimizer" in codes
+    for name in ("checkpoint-1", "last-checkpoint"):
+        saved = shutil.copytree(out, tmp_path / "run" / name)
+        problems = run_ckpt("verify", saved, "--json").json["result"]["problems"]
+        assert "optimizer.pt" in {p["file"].rsplit("/", 1)[-1] for p in problems}, name
+
+
+def test_verify_of_an_output_dir_does_not_count_the_saves_beside_its_model_as_checked(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`output_dir` after an example script: the final model at its root, the run's
+    `checkpoint-1/`, `checkpoint-2/` beside it. `ckpt verify out` checked the root model and
+    said "OK — 21 files", counting every file of the saves as checked, even with
+    `checkpoint-1/model.safetensors` truncated (and `--write-manifest` hashed them into the
+    model's manifest). The saves are checkpoints of their own: the
+    count is the root's, and a warning names them and how to verify one."""
+    out = _example_script_output(tiny_llama, tmp_path / "out", save_steps=1)
+    assert (out / "checkpoint-1").is_dir() and (out / "checkpoint-2").is_dir()
+    weights = out / "checkpoint-1" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    result = run_ckpt("verify", out, "--json")
+    assert result.exit_code == 0, result.stdout
+    report = result.json["result"]
+    root = [p for p in out.iterdir() if p.is_file()]
+    assert report["files"] == len(root), report["files"]
+    assert report["bytes"] == sum(p.stat().st_size for p in root)
+    problems = report["problems"]
+    assert [(p["code"], p["severity"]) for p in problems] == [("nested_saves", "warning")]
+    assert "checkpoint-1/, checkpoint-2/" in problems[0]["message"]
+    assert f"ckpt verify {out}/checkpoint-2" in problems[0]["fix"]
+    assert run_ckpt("verify", out / "checkpoint-1").exit_code == 1
+    # the root's manifest is the model's: each save has its own
+    assert run_ckpt("verify", out, "--write-manifest").exit_code == 0
+    manifest = json.loads((out / "ckpt-manifest.json").read_text())
+    assert sorted(manifest["files"]) == sorted(p.name for p in root)
 
 
 def test_a_checkpoint_holding_another_saves_trainer_state_fails_verify_and_is_no_latest(

@@ -7,7 +7,9 @@ A JSON object is compared key by key at its top level (`config.json:rms_norm_eps
 written again with other spacing or key order is no difference, and a changed
 hyper-parameter is named; any other file by its bytes (size and a sha256 prefix). Keys that
 name the writer, not the model (`transformers_version`, `_name_or_path`), are left out. A model
-card (`README.md`) is no part of what loads, and is not compared.
+card (`README.md`) is no part of what loads, and is not compared. A PEFT `adapter_config.json`
+holds its module-name sets (`target_modules`...) as Python sets, written in the saving
+process's hash order (`PYTHONHASHSEED`): they are compared as sets.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from ..shared.transfer import extra_files
 
 #: top-level keys that say which library version wrote the file, or where it was loaded from
 WRITER_KEYS = frozenset({"transformers_version", "_name_or_path", "_diffusers_version"})
+#: the keys of a PEFT `adapter_config.json` that peft holds as a `set` (its configs'
+#: `__post_init__`) and `save_pretrained` writes as a list in the process's set order: a resumed
+#: run, another process, writes the same set in another order
+PEFT_SET_KEYS = frozenset({"target_modules", "exclude_modules", "feedforward_modules"})
 #: values longer than this (as JSON) are compared, and shown, as a summary and a digest
 MAX_SHOWN = 200
 
@@ -81,6 +87,10 @@ def companion_values(
         left_out.add("quantization_config")
     if ignore_dtype or dequantize:
         parsed = _without_dtype(parsed)
+    if name.rsplit("/", 1)[-1] == "adapter_config.json":
+        parsed = {
+            key: _as_set(value) if key in PEFT_SET_KEYS else value for key, value in parsed.items()
+        }
     return {f"{name}:{key}": _shown(value) for key, value in parsed.items() if key not in left_out}
 
 
@@ -91,6 +101,13 @@ def _without_dtype(node: dict[str, Any]) -> dict[str, Any]:
         for key, value in node.items()
         if key not in CONFIG_DTYPE_KEYS
     }
+
+
+def _as_set(value: Any) -> Any:
+    """A list of names peft held as a set, in one order (sorted); any other value as it is."""
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return sorted(set(value))
+    return value
 
 
 def _shown(value: Any) -> str:

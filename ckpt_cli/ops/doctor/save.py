@@ -395,7 +395,7 @@ class Save:
         """Fields of a Trainer's `training_args.bin`, read from its opcodes (never unpickled)."""
         if self.layout != "hf-trainer" or "training_args.bin" not in self.source.files:
             return {}
-        from ...sources.layouts.trainer import training_arg_values
+        from ...sources.layouts.training_args import training_arg_values
 
         return training_arg_values(self.source, "training_args.bin", TRAINING_ARGS)
 

@@ -26,8 +26,10 @@ from ...formats.base import Checkpoint, Source
 from ...heap import gc_paused
 from ...models import Problem, Request
 from ...progress import NULL_PROGRESS, Progress
+from ...sizes import counted
 from ...sources.layouts import OpenedSource
 from ...sources.opening import SourceOpener, recognise_layout
+from ...sources.runs.naming import nested_saves
 from ...storage.hashing import ALGORITHMS
 from ..parity import ParityCheck, check_parity, damage_text
 from .checksums import MANIFEST_NAME, checksum_checks, manifest_exists, manifest_location
@@ -185,6 +187,16 @@ def verify_with(
         considered = {
             n: size for n, size in source.files.items() if n != MANIFEST_NAME and n not in outside
         }
+        # a Trainer's `output_dir`: the final model at the root, the run's saves beside it,
+        # each a checkpoint of its own (they were counted as this one's, and never checked)
+        nested = nested_saves(source.files) if source.target is None else []
+        # nor hashed into (or checked against) this checkpoint's manifest: each has its own
+        skipped = set(outside) | {n for n in source.files if n.split("/")[0] in nested}
+        if nested:
+            considered = {
+                n: size for n, size in considered.items() if n.split("/")[0] not in nested
+            }
+            problems.append(_nested_saves(source, nested))
         report.files = len(considered)
         report.bytes = sum(considered.values())
         report.training = opened.training if opened is not None else None
@@ -221,7 +233,7 @@ def verify_with(
             algo=algo,
             force=force,
             progress=progress,
-            outside=outside,
+            outside=skipped,
         )
     if parity is not None:
         _parity_problems(report, problems, parity)
@@ -230,6 +242,23 @@ def verify_with(
     report.warnings = problems.found("warning")
     report.ok = report.errors == 0
     return report
+
+
+def _nested_saves(source: Source, nested: list[str]) -> Problem:
+    """The warning for the saves of a run beside the checkpoint at a folder's root."""
+    where = source.location.raw.rstrip("/")
+    shown = ", ".join(f"{n}/" for n in nested[:4]) + (
+        f" and {len(nested) - 4} more" if len(nested) > 4 else ""
+    )
+    return Problem(
+        code="nested_saves",
+        severity="warning",
+        message=f"{where}: also holds {counted(len(nested), 'save')} of a run ({shown}), each a "
+        "checkpoint of its own: not checked or counted here",
+        file=where,
+        fix=f"Verify a save by its folder (`ckpt verify {where}/{nested[-1]}`); `ckpt latest "
+        f"{where}` names the newest complete one.",
+    )
 
 
 def _links_out(source: Source, outside: dict[str, str], found: list[Problem]) -> list[Problem]:

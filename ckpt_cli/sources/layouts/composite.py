@@ -22,6 +22,7 @@ from ...formats.weight_map import INDEX_SUFFIX
 from ...models import Entry, FileInfo, Manifest, Problem, TrainingState
 from ...storage.uri import parse_location
 from .details import CompositeDetails
+from .training_args import training_arg_values
 
 if TYPE_CHECKING:
     import torch
@@ -574,7 +575,9 @@ def component_files(folder: Folder) -> dict[str, str]:
 def trainer_progress(folder: Folder, state: TrainingState) -> None:
     """Step, epoch and data position from a Hugging Face Trainer's `trainer_state.json` (the
     folder's `trainer_state` component, if it has one): the Trainer reproduces its data order
-    from the seed and skips `global_step` batches when it resumes."""
+    from the seed and skips the batches of `global_step` optimizer steps when it resumes,
+    `gradient_accumulation_steps` batches each (`_init_training_state`; the value is read
+    from `training_args.bin`'s opcodes, 1 without one)."""
     trainer = folder.components.get("trainer_state")
     if not isinstance(trainer, ObjectsCheckpoint):
         return
@@ -585,7 +588,17 @@ def trainer_progress(folder: Folder, state: TrainingState) -> None:
     if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
         state.epoch = float(epoch)
     if state.step is not None:
-        state.dataloader = {"kind": "replayed", "skips_batches": state.step}
+        state.dataloader = {"kind": "replayed", "skips_batches": state.step * _accumulated(folder)}
+
+
+def _accumulated(folder: Folder) -> int:
+    """Batches per optimizer step of a Trainer save (`gradient_accumulation_steps` of its
+    `training_args.bin`), 1 when that file is absent or does not say."""
+    if not folder.has("training_args.bin"):
+        return 1
+    key = "gradient_accumulation_steps"
+    value = training_arg_values(folder.source, folder.rel("training_args.bin"), (key,)).get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
 def component_prefixes(checkpoint: CompositeCheckpoint) -> dict[str, str]:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
 import re
-from typing import Any
 
 from ...formats.base import Source
 from ...formats.names import SLIM_RECORD
@@ -15,6 +13,7 @@ from .composite import Folder, component_files, component_prefixes, trainer_prog
 from .ranks import missing_rank_files, missing_rank_states, ranks_lost_since, saved_world
 from .save_before import save_before
 from .training import analyse, finish, per_rank_models
+from .training_args import training_arg_values
 
 #: files only the Trainer writes; `training_args.bin` is not one of them: scripts built on
 #: accelerate save their `TrainingArguments` beside `save_state`'s files too
@@ -151,58 +150,6 @@ def _save_only_model(source: Source, rel: str) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
-#: the opcodes that push a plain value: their own value, or the one they carry as argument
-_CONSTANT_OPS: dict[str, Any] = {"NEWTRUE": True, "NEWFALSE": False, "NONE": None}
-_VALUE_OPS = frozenset(
-    ("BININT", "BININT1", "BININT2", "LONG1", "INT", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE")
-)
-
-
-def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dict[str, Any]:
-    """Plain fields (bool, int, float, str, None) of a Trainer's `training_args.bin`, read from
-    the pickle's opcodes alone; fields stored otherwise (enums, lists) are left out.
-
-    The file is a torch.save zip of transformers' `TrainingArguments`; nothing in it is ever
-    unpickled (it would import and run transformers code). Its `data.pkl` stores the dataclass
-    fields as key, value pairs, so the opcode after a field's name string is its value.
-    """
-    import io
-    import pickletools
-    import zipfile
-
-    size = source.storage.size(rel)
-    if size > 16 << 20:
-        return {}
-    data = source.storage.read_all(rel)
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            member = next((n for n in archive.namelist() if n.endswith("/data.pkl")), None)
-            if member is None or archive.getinfo(member).file_size > 16 << 20:
-                return {}
-            data = archive.read(member)
-    except zipfile.BadZipFile:
-        pass  # an old-style (non-zip) torch.save: the pickle itself
-    # streamed, never listed: a 16 MiB pickle of one-byte opcodes would list 16M tuples; the
-    # memo bookkeeping between a key and its value carries no data
-    memo = ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE")
-    ops = (op for op in pickletools.genops(data) if op[0].name not in memo)
-    wanted = set(names)
-    found: dict[str, Any] = {}
-    try:
-        for (key_op, arg, _), (op, value, _) in itertools.pairwise(ops):
-            if key_op.name not in ("SHORT_BINUNICODE", "BINUNICODE") or arg not in wanted:
-                continue
-            if arg in found:
-                continue  # the first occurrence is the field (later ones are values elsewhere)
-            if op.name in _CONSTANT_OPS:
-                found[arg] = _CONSTANT_OPS[op.name]
-            elif op.name in _VALUE_OPS:
-                found[arg] = value
-    except Exception:
-        return {}
-    return found
-
-
 _OTHER = "Use another checkpoint of the run (`ckpt latest` names the newest whole one)."
 #: a folder `ckpt reshard --rank-state drop` wrote holds no RNG file, as one that lost them
 _DROPPED = (
@@ -215,12 +162,26 @@ def _model_only(source: Source, folder: Folder) -> bool:
     """A folder `Trainer.save_model()` wrote (the weights, `config.json` and the
     `training_args.bin` it saves beside them), not a `checkpoint-N/`: nothing of the training
     state is expected in it. A checkpoint cut short after its model looks the same, but is
-    named `checkpoint-N` (or has some other Trainer file)."""
+    named `checkpoint-N` (or has some other Trainer file).
+
+    The example scripts end with `trainer.save_model()` and `trainer.save_state()`, which adds
+    the run's `trainer_state.json` beside the weights (the `output_dir` a Trainer pushes to the
+    Hub): with the weights there and none of the optimizer, scheduler or RNG files it is that
+    model folder too, unless named as a save is (`checkpoint-N`, the `last-checkpoint/` a
+    Trainer pushes to be resumed from)."""
+    from ..runs.naming import TRAINER_LAST_CHECKPOINT
+
     name = source.location.raw.rstrip("/").rsplit("/", 1)[-1]
+    if Trainer.step_folder.fullmatch(name) is not None or folder.matching(_RNG):
+        return False
+    if not any(folder.has(m) for m in _MARKERS):
+        return True
     return (
-        Trainer.step_folder.fullmatch(name) is None
-        and not any(folder.has(m) for m in _MARKERS)
-        and not folder.matching(_RNG)
+        name != TRAINER_LAST_CHECKPOINT
+        and not any(folder.has(m) for m in _MARKERS if m != "trainer_state.json")
+        and not folder.has("optimizer.bin")
+        and not folder.has_dir("optimizer_0")
+        and bool(folder.matching(_WEIGHT_NAMES))
     )
 
 

@@ -95,6 +95,20 @@ def holds_run(files: Iterable[str]) -> bool:
     return len(tags) > 1
 
 
+def nested_saves(files: Iterable[str]) -> list[str]:
+    """The saves of a run that lie in sub-folders of a folder that is one checkpoint itself
+    (`files`: paths relative to it): the `checkpoint-500/` folders a Trainer writes into the
+    `output_dir` whose root `trainer.save_model()` fills with the final model (a diffusers
+    script's pipeline, the same). Each is a checkpoint of its own, no part of the one at the
+    root. A DeepSpeed tag folder (`global_step5/`) is part of its save, not one beside it."""
+    saves = []
+    for name in top_folders(files):
+        matched = match_name(name, True)
+        if matched is not None and matched[0] not in ("plain", "deepspeed"):
+            saves.append(name)
+    return saves
+
+
 def refuse_run_of_runs(run_dir: str, runs: list[str]) -> None:
     """Refuse a folder whose only candidates are run folders of their own (`holds_run`):
     scanned as one run, each would be a checkpoint, its number a step (UsageError). The same
