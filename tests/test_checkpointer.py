@@ -1536,14 +1536,46 @@ def test_a_tensor_with_no_dense_data_is_refused_by_save_naming_the_entry(
     assert latest(run) == str(run / "step-1")
 
 
-def test_a_save_that_fails_its_check_names_the_unpublished_save_not_its_removed_staging_folder(
-    tmp_path: Path,
-) -> None:
-    """The docs' example with a plain `DataLoader` (not Stateful) as `data`: the save is
-    refused by its check, and the message names `RUN/step-1` and the entry, not a file of the
-    staging folder that the failure removed."""
-    from ckpt_cli import Checkpointer
+def test_a_value_load_latest_could_not_read_is_refused_by_save_itself(tmp_path: Path) -> None:
+    """A user follows the library page with torch's plain `DataLoader` as `data` (it has no
+    `state_dict`, so it would be pickled whole): `save` refuses it at once, naming the entry
+    and what to pass instead, rather than every save of the run failing in the background."""
+    import numpy as np
 
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import UsageError
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)))
+    model = torch.nn.Linear(4, 4)
+    run = tmp_path / "run"
+    with Checkpointer(run) as ck:
+        with pytest.raises(UsageError) as raised:
+            ck.save(1, {"model": model, "data": loader})
+        message = str(raised.value)
+        assert "'data'" in message and "torch.utils.data.dataloader.DataLoader" in message
+        assert raised.value.fix is not None and "StatefulDataLoader" in raised.value.fix
+        assert ck.status().in_flight is None and ck.status().saves == 0
+        # the plain values a loop saves are admitted: RNG tuples, numpy scalars, sizes, dtypes
+        plain = {
+            "rng": {"numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "misc": (np.float64(0.5), torch.Size([2, 3]), torch.float16, b"x", None),
+        }
+        ck.save(1, {"model": model, **plain})
+        assert (record := ck.wait()) is not None and record.phase == "done", record
+    assert latest(run) == str(run / "step-1")
+    assert list(run.iterdir()) == [run / "step-1"]
+
+
+def test_a_save_that_fails_its_check_names_the_unpublished_save_not_its_removed_staging_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save refused by its background check (here a plain `DataLoader` let past `save`'s own
+    look): the message names `RUN/step-1` and the entry, not a file of the staging folder
+    that the failure removed."""
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.checkpointer import staging
+
+    monkeypatch.setattr(staging, "refuse_unloadable", lambda path, value: None)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)))
     run = tmp_path / "run"
     with Checkpointer(run) as ck:
