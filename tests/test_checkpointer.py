@@ -1111,6 +1111,34 @@ def test_a_fresh_node_pulls_the_newest_checkpointer_save_not_another_folder_of_t
     assert sorted(p.name for p in fresh_node.iterdir()) == ["step-30"]
 
 
+def test_a_new_run_with_upload_starts_fresh_on_an_empty_prefix_and_resumes_from_it_later(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    """The library page's loop, on its first run: `load_latest` before any save, with
+    `upload=` naming a prefix of an existing bucket that holds nothing yet. It raised
+    `HubError` ("the object store could not be read: no such object or prefix"), so a new run
+    with an upload could never start. An empty prefix holds no save: None, a fresh start. A
+    bucket that does not exist is still an error naming it (the uploads could not go there)."""
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import HubError
+
+    make_bucket(s3_server.endpoint, "ckpt")
+    run = tmp_path / "run"
+    model = torch.nn.Linear(8, 8)
+    into: dict[str, Any] = {"model": model, "step": 0}
+    with Checkpointer(run, upload="s3://ckpt/new-run") as ck:
+        assert ck.load_latest(into) is None
+        ck.save(5, {"model": model, "step": 5})
+        assert (record := ck.wait()) is not None and record.phase == "done", record
+    assert latest("s3://ckpt/new-run") == "s3://ckpt/new-run/step-5"
+    again: dict[str, Any] = {"model": torch.nn.Linear(8, 8), "step": 0}
+    loaded = Checkpointer(tmp_path / "fresh", upload="s3://ckpt/new-run").load_latest(again)
+    assert loaded is not None and (loaded.step, loaded.tier) == (5, "remote"), loaded
+    with pytest.raises(HubError) as raised:
+        Checkpointer(tmp_path / "other", upload="s3://no-such-bucket/run").load_latest(again)
+    assert "the bucket 'no-such-bucket' does not exist" in str(raised.value)
+
+
 @pytest.mark.slow
 def test_the_next_save_removes_the_staging_folder_of_a_killed_save_without_retention(
     tmp_path: Path,
