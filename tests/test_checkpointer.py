@@ -1648,6 +1648,7 @@ def test_a_value_load_latest_could_not_read_is_refused_by_save_itself(tmp_path: 
             "rng": {"numpy": np.random.get_state(), "torch": torch.get_rng_state()},
             "misc": (np.float64(0.5), torch.Size([2, 3]), torch.float16, b"x", None),
             "seen": {3, 1},
+            "buffer": np.arange(6, dtype=np.float32).reshape(2, 3),
         }
         ck.save(1, {"model": model, **plain})
         assert (record := ck.wait()) is not None and record.phase == "done", record

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -145,6 +146,11 @@ _PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.
 
 def _plain(value: Any) -> bool:
     if type(value) in _PLAIN:
+        return True
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and type(value) is numpy.ndarray and not value.dtype.hasobject:
+        # an array of numbers (an RNG state, a replay buffer): ckpt's reader admits it, and
+        # serialising a large one here would double the copy that holds the loop
         return True
     if type(value) in (tuple, torch.Size):
         return all(_plain(v) or isinstance(v, torch.Tensor) for v in value)
