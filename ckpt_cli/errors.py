@@ -108,6 +108,11 @@ class NoCheckpointError(NotFoundError):
     code = "no_checkpoint"
 
 
+class MissingPrefixError(NotFoundError):
+    """Nothing at a location of an object store whose bucket exists: no object and no prefix
+    (exit 3). A run's upload prefix is one until its first save arrives."""
+
+
 class FormatError(CkptError):
     """A corrupt, hostile, unsupported, unrecognised or ambiguous checkpoint (exit 4)."""
 

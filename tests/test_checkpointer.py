@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import run_ckpt
+from .conftest import REPO, run_ckpt
 from .dist_helpers import (
     Launch,
     require_torchrun_marker,
@@ -1111,6 +1111,94 @@ def test_a_fresh_node_pulls_the_newest_checkpointer_save_not_another_folder_of_t
     assert sorted(p.name for p in fresh_node.iterdir()) == ["step-30"]
 
 
+def _library_page_loop() -> str:
+    """The Checkpointer example of docs/library.md, as a user copies it."""
+    page = (REPO / "docs" / "library.md").read_text()
+    section = page.split("## Checkpointing from a training loop", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_the_library_pages_training_loop_runs_as_written_and_resumes_from_the_bucket(
+    tmp_path: Path, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library page's loop, run as written (the names it leaves to the user defined as
+    it says: a torchdata `StatefulDataLoader`), against a new bucket prefix: its first run
+    starts fresh and saves, uploading each save with its parity; run again on a node with an
+    empty disk, it resumes from the bucket at the last save. Each step of that story failed
+    once (a plain `DataLoader`, an empty prefix, the parity against the checksum manifest)."""
+    pytest.importorskip("torchdata", reason="the page's data loader is a StatefulDataLoader")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    make_bucket(s3_server.endpoint, "bucket")
+    code = _library_page_loop()
+    assert 'upload="s3://bucket/exp1"' in code and "protect=1" in code
+
+    def run(node: Path, total_steps: int) -> dict[str, Any]:
+        monkeypatch.chdir(node)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.AdamW(model.parameters())
+        scope: dict[str, Any] = {
+            "torch": torch,
+            "model": model,
+            "opt": opt,
+            "sched": torch.optim.lr_scheduler.StepLR(opt, 50),
+            "loader": StatefulDataLoader(list(range(40)), batch_size=4, shuffle=True),
+            "total_steps": total_steps,
+        }
+
+        def train_step() -> None:
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            scope["sched"].step()
+
+        scope["train_step"] = train_step
+        exec(compile(code, "docs/library.md", "exec"), scope)
+        return scope
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    done = run(first, 200)
+    assert done["loaded"] is None and done["ck"].status().failures == 0
+    assert latest("s3://bucket/exp1") == "s3://bucket/exp1/step-200"
+    assert run_ckpt("verify", "s3://bucket/exp1/step-200", "--checksums").exit_code == 0
+    resumed = run(second, 300)
+    assert resumed["loaded"] is not None and resumed["loaded"].step == 200
+    assert resumed["ck"].status().failures == 0
+    assert latest("s3://bucket/exp1") == "s3://bucket/exp1/step-300"
+
+
+def test_a_new_run_with_upload_starts_fresh_on_an_empty_prefix_and_resumes_from_it_later(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    """The library page's loop, on its first run: `load_latest` before any save, with
+    `upload=` naming a prefix of an existing bucket that holds nothing yet. It raised
+    `HubError` ("the object store could not be read: no such object or prefix"), so a new run
+    with an upload could never start. An empty prefix holds no save: None, a fresh start. A
+    bucket that does not exist is still an error naming it (the uploads could not go there)."""
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import HubError
+
+    make_bucket(s3_server.endpoint, "ckpt")
+    run = tmp_path / "run"
+    model = torch.nn.Linear(8, 8)
+    into: dict[str, Any] = {"model": model, "step": 0}
+    with Checkpointer(run, upload="s3://ckpt/new-run") as ck:
+        assert ck.load_latest(into) is None
+        ck.save(5, {"model": model, "step": 5})
+        assert (record := ck.wait()) is not None and record.phase == "done", record
+    assert latest("s3://ckpt/new-run") == "s3://ckpt/new-run/step-5"
+    again: dict[str, Any] = {"model": torch.nn.Linear(8, 8), "step": 0}
+    loaded = Checkpointer(tmp_path / "fresh", upload="s3://ckpt/new-run").load_latest(again)
+    assert loaded is not None and (loaded.step, loaded.tier) == (5, "remote"), loaded
+    with pytest.raises(HubError) as raised:
+        Checkpointer(tmp_path / "other", upload="s3://no-such-bucket/run").load_latest(again)
+    assert "the bucket 'no-such-bucket' does not exist" in str(raised.value)
+
+
 @pytest.mark.slow
 def test_the_next_save_removes_the_staging_folder_of_a_killed_save_without_retention(
     tmp_path: Path,
@@ -1536,14 +1624,48 @@ def test_a_tensor_with_no_dense_data_is_refused_by_save_naming_the_entry(
     assert latest(run) == str(run / "step-1")
 
 
-def test_a_save_that_fails_its_check_names_the_unpublished_save_not_its_removed_staging_folder(
-    tmp_path: Path,
-) -> None:
-    """The docs' example with a plain `DataLoader` (not Stateful) as `data`: the save is
-    refused by its check, and the message names `RUN/step-1` and the entry, not a file of the
-    staging folder that the failure removed."""
-    from ckpt_cli import Checkpointer
+def test_a_value_load_latest_could_not_read_is_refused_by_save_itself(tmp_path: Path) -> None:
+    """A user follows the library page with torch's plain `DataLoader` as `data` (it has no
+    `state_dict`, so it would be pickled whole): `save` refuses it at once, naming the entry
+    and what to pass instead, rather than every save of the run failing in the background."""
+    import numpy as np
 
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import UsageError
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)))
+    model = torch.nn.Linear(4, 4)
+    run = tmp_path / "run"
+    with Checkpointer(run) as ck:
+        with pytest.raises(UsageError) as raised:
+            ck.save(1, {"model": model, "data": loader})
+        message = str(raised.value)
+        assert "'data'" in message and "torch.utils.data.dataloader.DataLoader" in message
+        assert raised.value.fix is not None and "StatefulDataLoader" in raised.value.fix
+        assert ck.status().in_flight is None and ck.status().saves == 0
+        # the plain values a loop saves are admitted: RNG tuples, numpy scalars, sizes, dtypes
+        plain = {
+            "rng": {"numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "misc": (np.float64(0.5), torch.Size([2, 3]), torch.float16, b"x", None),
+            "seen": {3, 1},
+            "buffer": np.arange(6, dtype=np.float32).reshape(2, 3),
+        }
+        ck.save(1, {"model": model, **plain})
+        assert (record := ck.wait()) is not None and record.phase == "done", record
+    assert latest(run) == str(run / "step-1")
+    assert list(run.iterdir()) == [run / "step-1"]
+
+
+def test_a_save_that_fails_its_check_names_the_unpublished_save_not_its_removed_staging_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save refused by its background check (here a plain `DataLoader` let past `save`'s own
+    look): the message names `RUN/step-1` and the entry, not a file of the staging folder
+    that the failure removed."""
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.checkpointer import staging
+
+    monkeypatch.setattr(staging, "refuse_unloadable", lambda path, value: None)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)))
     run = tmp_path / "run"
     with Checkpointer(run) as ck:

@@ -3,6 +3,7 @@ checkpoints `dcp.load` restores bit-exact, and refuse hostile or broken folders 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -194,6 +195,43 @@ def test_unloadable_object_is_reported_not_executed(tmp_path: Path) -> None:
         checkpoint.read_object("evil")
     assert "weights_only" in str(caught.value) and "posix.system" in str(caught.value)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "loads"),
+    [
+        ({3, 1}, True),
+        (bytearray(b"ab"), True),
+        (complex(1, 2), True),
+        (frozenset({1}), False),
+        (range(3), False),
+    ],
+    ids=["set", "bytearray", "complex", "frozenset", "range"],
+)
+def test_verify_judges_a_saved_builtin_as_the_readers_do(
+    tmp_path: Path, value: object, loads: bool
+) -> None:
+    """`dcp.save` pickles objects with `torch.save`'s protocol 2, which names Python 3's
+    builtins after Python 2's (`__builtin__.set`, `__builtin__.xrange`). `verify` read those
+    names as classes its reader refuses, and failed a save holding a set that `torch.load(
+    weights_only=True)`, `dcp.load` and `ckpt convert` all read; it now says what they say."""
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(2), "v": value}, ckpt)
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+        torch_loads = True
+    except pickle.UnpicklingError:
+        torch_loads = False
+    assert torch_loads == loads
+    converted = run_ckpt("convert", ckpt, tmp_path / "out", "--to", "torch")
+    assert converted.exit_code == (0 if loads else 4), converted.stderr
+    verified = run_ckpt("verify", ckpt, "--json")
+    assert verified.exit_code == (0 if loads else 1), verified.stdout
+    codes = [p["code"] for p in verified.json["result"]["problems"]]
+    assert codes == ([] if loads else ["unloadable_object"])
 
 
 @pytest.mark.parametrize("serialization", SERIALIZATIONS)

@@ -122,6 +122,37 @@ def test_sync_uploads_complete_saves_only_verified_and_once(
     assert "uploaded 0 checkpoints" in human.stdout and "present" in human.stdout
 
 
+def test_a_protected_save_with_its_checksum_manifest_syncs_with_its_parity(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The library page's Checkpointer (`protect=1`, `upload=`), or a user who ran
+    `ckpt verify --write-manifest` then `ckpt protect` on a save: the upload checked the
+    `.ckpt-parity/` files against `ckpt-manifest.json`, which never lists them (the parity
+    has its own index), and refused every such save ("parity-0.bin does not match the
+    checkpoint's checksum manifest"). The parity travels and is checked by its own index."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    save = out / "checkpoint-100"
+    assert run_ckpt("verify", save, "--write-manifest").exit_code == 0
+    assert run_ckpt("protect", save, "--parity", "1").exit_code == 0
+    result = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert [c["action"] for c in result.json["result"]["checkpoints"]] == ["uploaded"]
+    remote = f"s3://{BUCKET}/run/checkpoint-100"
+    keys = set(list_keys(s3_server.endpoint, BUCKET, "run/checkpoint-100/"))
+    assert "run/checkpoint-100/.ckpt-parity/parity.index.json" in keys
+    checked = run_ckpt("verify", remote, "--checksums", "--json")
+    assert checked.exit_code == 0, checked.stdout
+    assert checked.json["result"]["checks"] == ["structure", "checksums", "parity"]
+    # and back, on a node with an empty disk: the pull takes the parity too, and checks it
+    back = tmp_path / "back"
+    pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", back, "--latest", "--json")
+    assert pulled.exit_code == 0, pulled.stdout + pulled.stderr
+    assert local_files(back / "checkpoint-100") == local_files(save)
+    again = run_ckpt("verify", back / "checkpoint-100", "--checksums", "--json")
+    assert again.exit_code == 0 and again.json["result"]["checks"][-1] == "parity"
+
+
 @pytest.mark.slow
 def test_a_killed_upload_resumes_without_resending_finished_files(
     s3_server: S3Server, tmp_path: Path

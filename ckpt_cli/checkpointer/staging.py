@@ -9,7 +9,12 @@ whose shape, dtype or layout changed gets a new buffer (logged). A `DTensor` is 
 local shard and rewrapped with the same mesh and placements, so DCP plans the same shards.
 Non-tensor leaves (counters, RNG tuples, scheduler settings) are deep-copied: they are small.
 A leaf that cannot be copied (a generator, a lock, an open file) is refused with a `UsageError`
-naming its entry: nothing could save it.
+naming its entry: nothing could save it. So is a leaf whose pickle names a class ckpt's
+restricted reader refuses (torch's plain `DataLoader`, any object without `state_dict`): its save
+would fail its check in the background, every save of the run alike, and `load_latest` could
+never read it. Plain scalars, strings and containers of them are admitted without a look; other
+leaves are serialised as DCP serialises them (`torch.save`) and their pickle's globals read,
+before the deep copy.
 
 Each buffer has the shape of its tensor and owns its storage (no views into one flat slab):
 DCP's writer clones any tensor whose storage is larger than itself before serialising it, so
@@ -19,13 +24,16 @@ views would cost a second copy on every save.
 from __future__ import annotations
 
 import copy
+import io
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..errors import UsageError
+from ..formats.torch.pickle_scan import refused_globals
 
 #: a key in the state dict, as DCP's traversal names it (dict keys, list indices)
 Path = tuple[str | int, ...]
@@ -82,6 +90,7 @@ class HostStaging:
         if isinstance(value, torch.Tensor):
             seen.add(path)
             return self._stage_tensor(path, value, copied)
+        refuse_unloadable(path, value)
         try:
             return copy.deepcopy(value)
         except Exception as exc:  # pickling protocols raise TypeError, but also anything else
@@ -129,6 +138,48 @@ class HostStaging:
         buffer.copy_(source, non_blocking=buffer.is_pinned())
         copied[0] += buffer.numel() * buffer.element_size()
         return buffer
+
+
+#: leaves whose pickle names no global at all, or only one every reader admits
+_PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _plain(value: Any) -> bool:
+    if type(value) in _PLAIN:
+        return True
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and type(value) is numpy.ndarray and not value.dtype.hasobject:
+        # an array of numbers (an RNG state, a replay buffer): ckpt's reader admits it, and
+        # serialising a large one here would double the copy that holds the loop
+        return True
+    if type(value) in (tuple, torch.Size):
+        return all(_plain(v) or isinstance(v, torch.Tensor) for v in value)
+    return False
+
+
+def refuse_unloadable(path: Path, value: Any) -> None:
+    """Refuse a leaf whose pickle (as DCP's `torch.save` writes it) names a global ckpt's
+    restricted reader refuses, naming the entry: its save would fail its check, and
+    `load_latest` could not read it without running code."""
+    if _plain(value):
+        return
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+    except Exception:  # not picklable: the deep copy that follows names the entry
+        return
+    refused = refused_globals(buffer.getvalue())
+    if not refused:
+        return
+    entry = ".".join(map(str, path))
+    raise UsageError(
+        f"the state entry {entry!r} ({type(value).__name__}) would be saved as a pickle that "
+        f"needs {', '.join(refused[:5])}, which ckpt's restricted reader (torch.load "
+        "weights_only) refuses: load_latest could not read it without running code",
+        fix="Save plain values (numbers, strings, lists, dicts, tensors, numpy arrays) or an "
+        "object with state_dict() and load_state_dict(), which is saved through its "
+        "state_dict() (for a data loader, torchdata's StatefulDataLoader).",
+    )
 
 
 def _refuse_dataless(path: Path, tensor: torch.Tensor) -> None:

@@ -29,7 +29,15 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CkptError, FormatError, HubError, IOFailure, NotFoundError
+from ..errors import (
+    CkptError,
+    FormatError,
+    HubError,
+    IOFailure,
+    MissingPrefixError,
+    NoCheckpointError,
+    NotFoundError,
+)
 from ..ops.verify.checksums import MANIFEST_NAME
 from ..progress import NULL_PROGRESS, Progress
 from ..sources.runs import RunCheckpoint, scan_run
@@ -395,6 +403,10 @@ def _remote_saves(
                 # the newest complete folder is no save to resume from (an export the upload
                 # sent with the run folder): judge them all
                 remote = _resumable(scan_run(url, settle=0.0).checkpoints)
+    except (MissingPrefixError, NoCheckpointError):
+        # read, and empty: a new run's prefix before its first upload holds no save (a bucket
+        # that does not exist is no such answer: the uploads could not go there either)
+        return []
     except CkptError as error:
         log.warning("object store %s not read, loading from the local tier: %s", upload, error)
         unread.append(str(error))

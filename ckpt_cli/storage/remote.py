@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from ..errors import FormatError, HubError, NotFoundError, UsageError
+from ..errors import FormatError, HubError, MissingPrefixError, NotFoundError, UsageError
 from .base import (
     FILE_GONE_FIX,
     TMP_MARKER,
@@ -572,7 +572,7 @@ def _not_found(location: Location, fs: Any, path: str) -> NotFoundError:
                 fix="Check the bucket name, the endpoint (AWS_ENDPOINT_URL for S3) and the "
                 "credentials.",
             )
-    return NotFoundError(
+    return MissingPrefixError(
         "no such object or prefix", path=location.raw, fix="Check the bucket and path."
     )
 

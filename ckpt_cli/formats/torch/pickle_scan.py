@@ -9,6 +9,7 @@ named, so `verify` can say which entry `ckpt`'s reader refuses and why.
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import pickletools
 import re
@@ -30,8 +31,7 @@ _TORCH_DEFAULTS = (
     r"|torch\.(?:u?int\d+|float\d*\w*|bfloat16|half|double|long|short|bool|bits\d+\w*"
     r"|complex\d*|cfloat|cdouble|q?u?int\d+x?\d*|quint\w+|qint\w+)"
     r"|collections\.OrderedDict"
-    r"|builtins\.(?:set|frozenset|bytearray|complex|slice|range|int|float|bool|str|bytes"
-    r"|tuple|list|dict)"
+    r"|builtins\.(?:set|bytearray|complex|int|float|bool|str|bytes|tuple|list|dict)"
     r"|_codecs\.encode"
 )
 #: numpy's array reconstruction, which ckpt allowlists for RNG states
@@ -154,6 +154,18 @@ def beyond_torch_defaults(data: bytes) -> bool:
     return any(not _NO_TORCH_SCAN.match(g) for g in pickle_globals(data))
 
 
+def _python3_name(module: str, attr: str) -> str:
+    """The global an unpickler imports for a name a protocol 0-2 pickle writes: `torch.save`
+    pickles with protocol 2, which names builtins after Python 2 (`__builtin__.set`,
+    `__builtin__.xrange`) and which every Python 3 unpickler, torch's included, maps back
+    (`fix_imports`)."""
+    if (module, attr) in _compat_pickle.NAME_MAPPING:
+        module, attr = _compat_pickle.NAME_MAPPING[(module, attr)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    return f"{module}.{attr}"
+
+
 def pickle_globals(data: bytes) -> list[str]:
     """Every global a stored object's pickle would import, in order (opcodes only)."""
     if len(data) > MAX_SCAN_BYTES:
@@ -180,13 +192,13 @@ def pickle_globals(data: bytes) -> list[str]:
                     pushed.append(memo.get(arg))
                 elif name in ("GLOBAL", "INST"):
                     module, _, attr = str(arg).partition(" ")
-                    found.append(f"{module}.{attr}")
+                    found.append(_python3_name(module, attr))
                 elif name == "STACK_GLOBAL":
                     pair: tuple[object, object] = (
                         (pushed[-2], pushed[-1]) if len(pushed) >= 2 else (None, None)
                     )
                     if isinstance(pair[0], str) and isinstance(pair[1], str):
-                        found.append(f"{pair[0]}.{pair[1]}")
+                        found.append(_python3_name(pair[0], pair[1]))
                     else:
                         found.append("<a global built from computed names>")
                 else:
