@@ -277,6 +277,47 @@ def test_a_flipped_byte_in_tensor_data_fails_verify_deep(tmp_path: Path) -> None
     assert "/data/0" in problem["message"] and "CRC-32" in problem["message"]
 
 
+@pytest.mark.parametrize(
+    "damage",
+    ["a tensor's name in data.pkl", "a data record's local header", ".storage_alignment"],
+)
+def test_a_flip_torch_load_trips_on_or_reads_wrong_fails_verify_deep(
+    tmp_path: Path, damage: str
+) -> None:
+    """`--deep` checked the CRC-32 of the storage records only: one flipped byte in data.pkl
+    (a tensor's name: torch.load returns it renamed), in a record's local header (torch.load
+    fails), or in `.storage_alignment` (torch.load fails) passed as OK. Torch's own zip reader
+    now opens the file too and every record it reads must hold the bytes the zip records."""
+    import zipfile
+
+    torch.save({"w": torch.randn(8, 8), "b": torch.arange(4)}, tmp_path / "good.pt")
+    data = bytearray((tmp_path / "good.pt").read_bytes())
+    with zipfile.ZipFile(tmp_path / "good.pt") as archive:
+        infos = {i.filename.split("/", 1)[1]: i for i in archive.infolist()}
+    if damage == "a tensor's name in data.pkl":
+        data[data.find(b"X\x01\x00\x00\x00w") + 5] ^= 0x01  # 'w' -> 'v'
+    elif damage == "a data record's local header":
+        data[infos["data/0"].header_offset] ^= 0x01  # its signature
+    else:
+        info = infos[".storage_alignment"]
+        extra = int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little")
+        data[info.header_offset + 30 + len(info.filename.encode()) + extra] ^= 0x80
+    (tmp_path / "bad.pt").write_bytes(bytes(data))
+    try:
+        loaded = torch.load(tmp_path / "bad.pt", weights_only=True, map_location="cpu")
+    except (RuntimeError, ValueError):
+        pass  # torch.load refuses it
+    else:
+        assert sorted(loaded) == ["b", "v"]  # torch.load reads a tensor under another name
+
+    assert run_ckpt("verify", tmp_path / "good.pt", "--deep").exit_code == 0
+    result = run_ckpt("verify", tmp_path / "bad.pt", "--deep", "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert problem["code"] == "corrupt_data" and problem["file"].endswith("bad.pt"), problem
+    assert "torch" in problem["message"] and problem["fix"]
+
+
 def test_legacy_non_zip_file_is_read(tmp_path: Path) -> None:
     sd = state_dict()
     torch.save(sd, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
