@@ -74,8 +74,21 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
     # an index at the root naming its shards plainly (the common case) maps them as written
     plain = all(shard == path for shard, path in resolved.items())
     safe = weight_map if plain else {name: resolved[shard] for name, shard in weight_map.items()}
-    metadata = index.get("metadata") or {}
-    return safe, metadata if isinstance(metadata, dict) else {}
+    metadata = index.get("metadata", {})
+    if not isinstance(metadata, dict):
+        # transformers' from_pretrained adds the key list to it: a TypeError there
+        raise FormatError(
+            f"has metadata {_shown(metadata)}, which is not a JSON object "
+            "(transformers' from_pretrained fails on it)",
+            path=where,
+            fix='Write the index again (save_pretrained writes {"total_size": BYTES} there).',
+        )
+    return safe, metadata
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def load_index_json(storage: Storage, rel: str) -> Any:
