@@ -172,6 +172,24 @@ def test_an_unreadable_index_is_bad_index_for_both(saved: tuple[str, Path], dama
     ]
 
 
+@pytest.mark.parametrize("shard", [".", "./"])
+def test_an_index_naming_the_folder_itself_as_a_shard_names_the_index(
+    saved: tuple[str, Path], shard: str
+) -> None:
+    """Before: verify called the checkpoint folder a missing shard, and inspect said the
+    folder "is a folder, not a regular file", the index not named."""
+    fmt, folder = saved
+    index = index_of(fmt, folder)
+    index["weight_map"]["norm.weight"] = shard
+    write_index(fmt, folder, index)
+    code, found = verify(folder)
+    assert code == 1
+    errors = [(p["code"], p["file"]) for p in found if p["severity"] == "error"]
+    assert errors == [("bad_index", str(folder / INDEXES[fmt]))], found
+    result = run_ckpt("inspect", folder)
+    assert result.exit_code == 4 and str(folder / INDEXES[fmt]) in result.stderr
+
+
 def test_an_index_path_out_of_the_folder_is_unsafe_input_for_both(saved: tuple[str, Path]) -> None:
     fmt, folder = saved
     index = index_of(fmt, folder)
