@@ -614,7 +614,7 @@ def test_protected_trainer_checkpoint_stays_resumable_and_latest(tmp_path: Path)
     assert run_ckpt("verify", ckpt_dir, "--resumable", "--checksums").exit_code == 0
 
 
-@pytest.mark.parametrize("how", ["garbage", "traversal"])
+@pytest.mark.parametrize("how", ["garbage", "traversal", "erasure code"])
 def test_corrupt_or_hostile_parity_manifest_is_refused_and_nothing_written(
     tmp_path: Path, how: str
 ) -> None:
@@ -627,6 +627,10 @@ def test_corrupt_or_hostile_parity_manifest_is_refused_and_nothing_written(
     manifest = model / ".ckpt-parity" / "parity.index.json"
     if how == "garbage":
         manifest.write_bytes(b"\x00not json")
+    elif how == "erasure code":  # was exit 2, "install pyeclib", the manifest not named
+        doc = _json.loads(manifest.read_text())
+        doc["ec_type"] = "liberasurecode_rs_vand; rm -rf /"
+        manifest.write_text(_json.dumps(doc))
     else:
         doc = _json.loads(manifest.read_text())
         doc["files"][0]["path"] = "../outside.safetensors"
@@ -638,6 +642,10 @@ def test_corrupt_or_hostile_parity_manifest_is_refused_and_nothing_written(
     message = " ".join(result.stderr.split())
     if how == "garbage":
         assert "not a valid ckpt parity manifest" in message and "--force" in message
+    elif how == "erasure code":
+        assert str(manifest) in message and "erasure code" in message and "--force" in message
+        verified = run_ckpt("verify", model)  # not "lost, repairable: run ckpt repair"
+        assert verified.exit_code == 4 and str(manifest) in verified.stderr, verified.stdout
     else:
         assert "a path outside the checkpoint" in message
     assert _digests(tmp_path) == before

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -150,6 +151,35 @@ def test_corrupt_headers_are_exit_4_naming_the_file(
     assert expected in result.stderr
     envelope = run_ckpt("inspect", path, "--json").json
     assert envelope["error"]["code"] == "bad_checkpoint"
+
+
+@pytest.mark.parametrize(
+    "encode",
+    [
+        lambda text: b"\xef\xbb\xbf" + text.encode(),  # a UTF-8 byte-order mark
+        lambda text: text.encode("utf-16"),  # an editor's "Unicode" save
+        lambda text: text.encode("utf-32-le"),
+    ],
+    ids=["utf8-bom", "utf16", "utf32"],
+)
+def test_a_header_not_in_plain_utf8_is_refused_as_safe_open_refuses_it(
+    tmp_path: Path, encode: Any
+) -> None:
+    save_file({"w": torch.ones(2)}, tmp_path / "real.safetensors")
+    real = (tmp_path / "real.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", real[:8])
+    header = encode(real[8 : 8 + length].decode())
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + real[8 + length :])
+    with pytest.raises(Exception, match="header"):
+        safe_open(path, framework="pt")  # the real reader refuses the file
+
+    verified = run_ckpt("verify", path)
+    assert verified.exit_code == 1, verified.stderr
+    assert str(path) in verified.stdout and "UTF-8" in verified.stdout
+    converted = run_ckpt("convert", path, tmp_path / "out.safetensors", "--to", "safetensors")
+    assert converted.exit_code == 4, converted.stderr
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_truncated_shard_is_exit_4(tmp_path: Path) -> None:

@@ -217,6 +217,42 @@ def test_a_storage_record_cut_short_inside_an_intact_zip_is_damage_not_data(
     assert run_ckpt("verify", tmp_path / "good.pt", "--deep").exit_code == 0
 
 
+def test_a_zip_directory_entry_pointing_past_the_end_fails_verify_as_torch_load_fails(
+    tmp_path: Path,
+) -> None:
+    """One flipped byte in the zip directory's local-header offset of a record no tensor
+    uses (`.storage_alignment`): torch's zip reader (miniz) checks every entry when it opens
+    the archive and refuses the whole file; `verify --deep` said OK and `convert` published
+    the tensors."""
+    import struct
+    import zipfile
+
+    torch.save({"w": torch.randn(8, 8), "b": torch.arange(4)}, tmp_path / "good.pt")
+    data = bytearray((tmp_path / "good.pt").read_bytes())
+    with zipfile.ZipFile(tmp_path / "good.pt") as archive:
+        names = [i.filename for i in archive.infolist()]
+    victim = next(n for n in names if n.endswith("/.storage_alignment"))
+    entry = -1
+    while (entry := data.find(b"PK\x01\x02", entry + 1)) != -1:
+        (name_length,) = struct.unpack_from("<H", data, entry + 28)
+        if data[entry + 46 : entry + 46 + name_length] == victim.encode():
+            break
+    data[entry + 44] ^= 0x39  # the offset's third byte: megabytes past the end
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "model.pt").write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="zip archive"):
+        torch.load(damaged / "model.pt", weights_only=True, map_location="cpu")
+
+    for args in (("verify", damaged), ("verify", damaged, "--deep")):
+        result = run_ckpt(*args)
+        assert result.exit_code == 1, result.stdout
+        assert "model.pt" in result.stdout and victim in result.stdout, result.stdout
+    result = run_ckpt("convert", damaged, tmp_path / "out", "--to", "safetensors")
+    assert result.exit_code == 4, result.stdout + result.stderr
+    assert "model.pt" in result.stderr and not (tmp_path / "out").exists()
+
+
 def test_a_flipped_byte_in_tensor_data_fails_verify_deep(tmp_path: Path) -> None:
     """The zip records a CRC-32 per storage record; `--deep` checks it, for a single file and
     for a Trainer-style folder's optimizer.pt alike."""
@@ -239,6 +275,47 @@ def test_a_flipped_byte_in_tensor_data_fails_verify_deep(tmp_path: Path) -> None
     (problem,) = result.json["result"]["problems"]
     assert problem["code"] == "corrupt_data" and problem["file"].endswith("bad.pt")
     assert "/data/0" in problem["message"] and "CRC-32" in problem["message"]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["a tensor's name in data.pkl", "a data record's local header", ".storage_alignment"],
+)
+def test_a_flip_torch_load_trips_on_or_reads_wrong_fails_verify_deep(
+    tmp_path: Path, damage: str
+) -> None:
+    """`--deep` checked the CRC-32 of the storage records only: one flipped byte in data.pkl
+    (a tensor's name: torch.load returns it renamed), in a record's local header (torch.load
+    fails), or in `.storage_alignment` (torch.load fails) passed as OK. Torch's own zip reader
+    now opens the file too and every record it reads must hold the bytes the zip records."""
+    import zipfile
+
+    torch.save({"w": torch.randn(8, 8), "b": torch.arange(4)}, tmp_path / "good.pt")
+    data = bytearray((tmp_path / "good.pt").read_bytes())
+    with zipfile.ZipFile(tmp_path / "good.pt") as archive:
+        infos = {i.filename.split("/", 1)[1]: i for i in archive.infolist()}
+    if damage == "a tensor's name in data.pkl":
+        data[data.find(b"X\x01\x00\x00\x00w") + 5] ^= 0x01  # 'w' -> 'v'
+    elif damage == "a data record's local header":
+        data[infos["data/0"].header_offset] ^= 0x01  # its signature
+    else:
+        info = infos[".storage_alignment"]
+        extra = int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little")
+        data[info.header_offset + 30 + len(info.filename.encode()) + extra] ^= 0x80
+    (tmp_path / "bad.pt").write_bytes(bytes(data))
+    try:
+        loaded = torch.load(tmp_path / "bad.pt", weights_only=True, map_location="cpu")
+    except (RuntimeError, ValueError):
+        pass  # torch.load refuses it
+    else:
+        assert sorted(loaded) == ["b", "v"]  # torch.load reads a tensor under another name
+
+    assert run_ckpt("verify", tmp_path / "good.pt", "--deep").exit_code == 0
+    result = run_ckpt("verify", tmp_path / "bad.pt", "--deep", "--json")
+    assert result.exit_code == 1, result.stdout
+    (problem,) = result.json["result"]["problems"]
+    assert problem["code"] == "corrupt_data" and problem["file"].endswith("bad.pt"), problem
+    assert "torch" in problem["message"] and problem["fix"]
 
 
 def test_legacy_non_zip_file_is_read(tmp_path: Path) -> None:

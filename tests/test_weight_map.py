@@ -156,8 +156,10 @@ def test_a_wrong_total_size_is_the_same_warning_for_both(saved: tuple[str, Path]
         lambda index: {**index, "metadata": {"total_size": "lots"}},
         lambda index: {"metadata": index["metadata"]},  # no weight_map
         lambda index: "{not json",
+        # transformers' from_pretrained indexes into it: TypeError (verify said OK)
+        lambda index: {**index, "metadata": "total_size=832"},
     ],
-    ids=["total_size_not_a_count", "no_weight_map", "not_json"],
+    ids=["total_size_not_a_count", "no_weight_map", "not_json", "metadata_not_an_object"],
 )
 def test_an_unreadable_index_is_bad_index_for_both(saved: tuple[str, Path], damage: Any) -> None:
     fmt, folder = saved
@@ -168,6 +170,24 @@ def test_an_unreadable_index_is_bad_index_for_both(saved: tuple[str, Path], dama
     assert [(p["code"], p["file"]) for p in found if p["severity"] == "error"] == [
         ("bad_index", str(folder / INDEXES[fmt]))
     ]
+
+
+@pytest.mark.parametrize("shard", [".", "./"])
+def test_an_index_naming_the_folder_itself_as_a_shard_names_the_index(
+    saved: tuple[str, Path], shard: str
+) -> None:
+    """Before: verify called the checkpoint folder a missing shard, and inspect said the
+    folder "is a folder, not a regular file", the index not named."""
+    fmt, folder = saved
+    index = index_of(fmt, folder)
+    index["weight_map"]["norm.weight"] = shard
+    write_index(fmt, folder, index)
+    code, found = verify(folder)
+    assert code == 1
+    errors = [(p["code"], p["file"]) for p in found if p["severity"] == "error"]
+    assert errors == [("bad_index", str(folder / INDEXES[fmt]))], found
+    result = run_ckpt("inspect", folder)
+    assert result.exit_code == 4 and str(folder / INDEXES[fmt]) in result.stderr
 
 
 def test_an_index_path_out_of_the_folder_is_unsafe_input_for_both(saved: tuple[str, Path]) -> None:

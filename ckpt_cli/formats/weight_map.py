@@ -68,14 +68,37 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
         )
     base = posixpath_dir(rel)
     # thousands of tensors share a few shard names: check each name once
-    resolved = {
-        shard: _join(base, safe_relpath(shard, source=where)) for shard in set(weight_map.values())
-    }
+    resolved = {shard: _join(base, _shard_name(shard, where)) for shard in set(weight_map.values())}
     # an index at the root naming its shards plainly (the common case) maps them as written
     plain = all(shard == path for shard, path in resolved.items())
     safe = weight_map if plain else {name: resolved[shard] for name, shard in weight_map.items()}
-    metadata = index.get("metadata") or {}
-    return safe, metadata if isinstance(metadata, dict) else {}
+    metadata = index.get("metadata", {})
+    if not isinstance(metadata, dict):
+        # transformers' from_pretrained adds the key list to it: a TypeError there
+        raise FormatError(
+            f"has metadata {_shown(metadata)}, which is not a JSON object "
+            "(transformers' from_pretrained fails on it)",
+            path=where,
+            fix='Write the index again (save_pretrained writes {"total_size": BYTES} there).',
+        )
+    return safe, metadata
+
+
+def _shard_name(shard: str, where: str) -> str:
+    """`safe_relpath` of a shard the index names, which must name a file, not the folder."""
+    name = safe_relpath(shard, source=where)
+    if name == ".":
+        raise FormatError(
+            f"names the checkpoint folder itself ({shard!r}) as a shard file",
+            path=where,
+            fix="Write or fetch the index again (save_pretrained writes it with the shards).",
+        )
+    return name
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def load_index_json(storage: Storage, rel: str) -> Any:

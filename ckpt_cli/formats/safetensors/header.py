@@ -263,6 +263,18 @@ def _json_object(
     pairs_hook: Callable[[list[tuple[str, Any]]], dict[str, Any]] | None = None,
 ) -> dict[str, Any] | None:
     """`raw` parsed as a JSON object, or None with a `bad_header` finding."""
+    if not _plain_utf8(raw):
+        # `json.loads(bytes)` guesses the encoding: it would read a UTF-16 or UTF-32 header,
+        # or one after a byte-order mark, that the safetensors library refuses (its header
+        # is UTF-8 JSON that starts at the first byte)
+        findings.add(
+            "bad_header",
+            "has a header that is not plain UTF-8 JSON (it starts with a byte-order mark, or "
+            "is in UTF-16 or UTF-32): the safetensors library refuses it",
+            file=where,
+            fix=CORRUPT_HEADER,
+        )
+        return None
     try:
         header = json.loads(raw, object_pairs_hook=pairs_hook)
     # ValueError: JSONDecodeError, and an integer past Python's 4,300 digits
@@ -299,6 +311,15 @@ def _json_object(
         )
         return None
     return header
+
+
+def _plain_utf8(raw: bytes) -> bool:
+    """Whether `raw` is what `json.loads` reads as UTF-8 with no byte-order mark.
+
+    Only the first bytes decide which encoding `json.loads` guesses (a mark, or a zero byte
+    among the first four); invalid UTF-8 further on is its own `UnicodeDecodeError`.
+    """
+    return not raw.startswith(b"\xef\xbb\xbf") and b"\0" not in raw[:4]
 
 
 #: a JSON escape of a UTF-16 surrogate; only a header holding one is checked further

@@ -118,6 +118,8 @@ def read_archive(data: bytes, where: str | None = None) -> ArchiveRead:
                     info.compress_type,
                     info.compress_size,
                     info.file_size,
+                    info.header_offset,
+                    len(data),
                 )
                 if damage is not None:
                     return ArchiveRead(damage, None)

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     import torch
 
 from .flatten import build_entries, is_tensor, plain_copy, type_name
-from .load import load_torch_file
+from .load import load_torch_file, torch_reader_damage
 from .zip_index import (
+    CORRUPT_ZIP_FIX,
     TensorLayout,
     index_torch_zip,
     read_plain_torch_legacy,
@@ -69,6 +70,18 @@ def _read_local_zip(storage: Storage, rel: str, reader: Callable[..., T | None])
         return reader(read, 0, os.fstat(fd).st_size, name)
     finally:
         os.close(fd)
+
+
+def _torch_reader_damage(local: Path) -> str | None:
+    """`load.torch_reader_damage` of the local torch.save zip at `local`; None for a legacy
+    (non-zip) file, or anything but a regular file."""
+    fd = _open_regular(local)
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as file:
+        if file.read(4) != b"PK\x03\x04":
+            return None
+        return torch_reader_damage(file)
 
 
 def _layouts(storage: Storage, rel: str) -> dict[tuple[str | int, ...], TensorLayout] | None:
@@ -275,8 +288,24 @@ class TorchCheckpoint(Checkpoint):
         files record none that is read here."""
         for rel in sorted({e.file for e in self.manifest.entries if e.file}):
             local = self.storage.local_path(rel)
-            index = _read_local_zip(self.storage, rel, index_torch_zip) if local else None
-            if local is None or index is None:
+            if local is None:
+                continue
+            # torch's own zip reader checks what the reads here skip (every record's local
+            # header; data.pkl, .storage_alignment and the like, which torch.load reads
+            # whole): a flipped byte there fails torch.load, or renames a tensor in it
+            reason = _torch_reader_damage(local)
+            if reason is not None:
+                yield RecordedDamage(
+                    CorruptDataError(
+                        f"is corrupt: torch's zip reader misreads its torch.save archive "
+                        f"({reason[:200]}); the bytes changed after they were written",
+                        path=self.storage.describe(rel),
+                        fix=CORRUPT_ZIP_FIX,
+                    )
+                )
+                continue
+            index = _read_local_zip(self.storage, rel, index_torch_zip)
+            if index is None:
                 continue
             for record in index.records.values():
                 if record.crc32 is None:

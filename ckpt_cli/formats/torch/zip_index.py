@@ -135,7 +135,15 @@ def _read_exact(read: Read, offset: int, n: int) -> bytes:
 _DOS_DIRECTORY = 0x10
 
 
-def record_damage(name: str, external_attr: int, method: int, stored: int, size: int) -> str | None:
+def record_damage(
+    name: str,
+    external_attr: int,
+    method: int,
+    stored: int,
+    size: int,
+    header_offset: int = 0,
+    archive_size: int | None = None,
+) -> str | None:
     """Why torch's own zip reader (miniz) misreads or refuses a torch.save record whose header
     Python's `zipfile` (and the record's CRC-32) accepts, or None.
 
@@ -146,6 +154,9 @@ def record_damage(name: str, external_attr: int, method: int, stored: int, size:
     * A record stored uncompressed (method 0) whose inflated size differs from its stored
       size: miniz refuses the whole archive, `zipfile` reads the stored bytes and checks
       their CRC-32 only.
+    * A record whose local header and stored bytes (by the directory's offset) would end past
+      the end of the archive: miniz checks every directory entry when it opens the archive
+      and refuses the whole file, even for a record no tensor uses.
     """
     if size > 0 and (name.endswith("/") or external_attr & _DOS_DIRECTORY):
         return (
@@ -156,6 +167,12 @@ def record_damage(name: str, external_attr: int, method: int, stored: int, size:
         return (
             f"record {name!r} is stored uncompressed but declares {size:,} bytes for its "
             f"{stored:,} stored bytes, which torch.load refuses"
+        )
+    if archive_size is not None and header_offset + _LOCAL.size + stored > archive_size:
+        return (
+            f"directory places record {name!r} at byte {header_offset:,}, so that its "
+            f"{stored:,} bytes would end past the archive's {archive_size:,} bytes, which "
+            "torch.load refuses"
         )
     return None
 
@@ -208,7 +225,7 @@ def _directory(
         extra = raw[pos + name_len : pos + name_len + extra_len]
         pos += name_len + extra_len + comment_len
         usize, csize, local = _zip64_fields(extra, usize, csize, local)
-        damage = record_damage(name, f[15], method, csize, usize)
+        damage = record_damage(name, f[15], method, csize, usize, base + local, length)
         if damage is not None:
             raise CorruptDataError(
                 f"is corrupt: its torch.save zip {damage}; the bytes changed after they were "

@@ -24,6 +24,22 @@ MAX_PARITY = 16
 BLOCK_ALIGN = 4096
 CODEC = "pyeclib"
 EC_TYPE = "isa_l_rs_cauchy"
+#: the erasure codes pyeclib names (`PyECLib_EC_Types`), ckpt's own first: a manifest naming
+#: another is corrupt, not a backend to install
+EC_TYPES = (
+    EC_TYPE,
+    "isa_l_rs_vand",
+    "isa_l_rs_vand_inv",
+    "isa_l_rs_lrc",
+    "jerasure_rs_vand",
+    "jerasure_rs_cauchy",
+    "liberasurecode_rs_vand",
+    "flat_xor_hd",
+    "flat_xor_hd_3",
+    "flat_xor_hd_4",
+    "shss",
+    "libphazr",
+)
 #: blocks of the longest file at least (smaller blocks for small files: less padding)
 MIN_BLOCKS_PER_FILE = 64
 #: the largest parity manifest read (as weight-map indexes are capped): a block's digest takes

@@ -33,6 +33,7 @@ from .layout import plan_layout, small_block
 from .model import (
     BLOCK_ALIGN,
     CODEC,
+    EC_TYPES,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_CONTAINERS,
@@ -201,6 +202,13 @@ def read_parity_manifest(target: ParityTarget) -> ParityManifest | None:
 
 def _check_manifest(m: ParityManifest, where: str) -> None:
     """Refuse manifests whose numbers do not add up (corrupt or hostile): no huge allocations."""
+    if m.ec_type not in EC_TYPES:
+        raise FormatError(
+            f"names the erasure code {m.ec_type!r}, which is none pyeclib has (ckpt protect "
+            f"writes {EC_TYPES[0]!r}): the manifest is corrupt",
+            path=where,
+            fix="Protect the checkpoint again: `ckpt protect SRC --force`.",
+        )
     bad = (
         m.ckpt_parity != PARITY_VERSION
         or m.codec != CODEC
