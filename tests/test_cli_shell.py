@@ -297,6 +297,31 @@ def test_diff_warns_of_a_rename_rule_that_matches_nothing_as_convert_does(tmp_pa
     assert lined_up.exit_code == 0 and lined_up.json["result"]["warnings"] == []
 
 
+def test_diff_says_a_config_or_flavor_it_had_no_mapping_to_use_for(tmp_path: Path) -> None:
+    """`diff A B --flavor 8B` (or `--config config.json`) of two checkpoints in one naming
+    compared as if the option were absent and said nothing, so a user who meant a torchtitan
+    save against its HF export could not tell the mapping never ran; `convert` refuses
+    `--flavor` where it has nothing to apply to. Both options serve the naming mapping alone:
+    a diff that maps no naming says it used neither."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"model.w": torch.ones(2)}, tmp_path / "a.safetensors")
+    save_file({"model.w": torch.zeros(2)}, tmp_path / "b.safetensors")
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    for option, value in (("--flavor", "8B"), ("--config", str(tmp_path / "config.json"))):
+        unused = run_ckpt("diff", a, b, option, value, "--json")
+        assert unused.exit_code == 1, unused.stderr  # the comparison itself is unchanged
+        assert unused.json["result"]["differences"], unused.json
+        warned = [w for w in unused.json["result"]["warnings"] if f"{option} {value}" in w]
+        assert warned and "not used" in warned[0], unused.json["result"]["warnings"]
+        human = run_ckpt("diff", a, b, option, value)
+        assert f"warning: {option} {value} was not used" in human.stderr, human.stderr
+    plain = run_ckpt("diff", a, b, "--json")
+    assert plain.json["result"]["warnings"] == []
+
+
 def test_megatron_with_safetensors_serialization_is_a_usage_error_not_a_bad_checkpoint(
     tiny_llama: Path, tmp_path: Path
 ) -> None:

@@ -226,6 +226,31 @@ def test_help_and_usage_errors_into_a_closed_pipe_exit_141_too(args: list[str]) 
     assert b"Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("stdout", ["full", "closed"])
+@pytest.mark.parametrize("args", [["convert", "--help"], ["--help"]], ids=["command", "root"])
+def test_a_help_that_stdout_refuses_is_an_io_error_not_a_crash(
+    stdout: str, args: list[str]
+) -> None:
+    """`ckpt convert --help > /dev/full` (or `>&-`) was a Python traceback and exit 1 while
+    `ckpt --help > /dev/full` was exit 74 naming the errno: a command's help is printed while
+    its own arguments are parsed, outside what the root's parser guards."""
+    if stdout == "full" and not Path("/dev/full").exists():
+        pytest.skip("this system has no /dev/full")
+    with contextlib.ExitStack() as stack:
+        target: Any = stack.enter_context(open("/dev/full", "w")) if stdout == "full" else None
+        done = subprocess.run(
+            [sys.executable, "-m", "ckpt_cli", *args],
+            stdout=target,
+            stderr=subprocess.PIPE,
+            env=_env(),
+            timeout=120,
+            preexec_fn=None if stdout == "full" else _close_stdout,
+        )
+    assert done.returncode == 74, done.stderr
+    errno_name = "ENOSPC" if stdout == "full" else "EBADF"
+    assert errno_name in done.stderr.decode() and b"Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("json_output", [False, True], ids=["human", "json"])
 @pytest.mark.parametrize("stdout", ["full", "closed"])
 def test_a_stdout_that_refuses_the_result_is_an_io_error_not_a_crash(

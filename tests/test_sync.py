@@ -2339,6 +2339,64 @@ def test_an_empty_run_folder_is_a_run_before_its_first_save(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signalled_sync_aborts_its_own_multipart_upload(
+    s3_server: S3Server, tmp_path: Path, signum: int
+) -> None:
+    """`ckpt sync` stopped by SIGTERM (a preempted job) or Ctrl-C while a large file goes up as
+    a multipart upload: it exited 143 / 130 and left the upload unfinished in the bucket,
+    billed and unlisted, for ever unless the same sync ran again. A signal is caught: the
+    process aborts its own unfinished uploads before it exits, as it removes its partial
+    outputs, so the bucket holds no unfinished upload."""
+    import boto3
+    from safetensors.torch import save_file
+
+    from ckpt_cli.storage.object_upload import SINGLE_PUT_MAX
+
+    make_bucket(s3_server.endpoint, BUCKET)
+    folder = tmp_path / "run" / "step-1"
+    folder.mkdir(parents=True)
+    big = torch.arange(SINGLE_PUT_MAX // 4 + 10, dtype=torch.float32)
+    save_file({"w": big}, folder / "model.safetensors")
+    os.utime(folder / "model.safetensors", (time.time() - 7200,) * 2)
+    os.utime(folder, (time.time() - 7200,) * 2)  # a plain save: settled, not being written
+
+    def part(r: S3Request) -> bool:
+        return r.method == "PUT" and "partNumber=" in r.query
+
+    s3_server.hold = part
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    args = ["sync", str(tmp_path / "run"), f"s3://{BUCKET}/big/", "--json"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(part(r) for r in list(s3_server.requests)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+        s3_server.hold = None
+        s3_server.release.set()
+    expected = 143 if signum == signal.SIGTERM else 130
+    assert proc.returncode == expected, stderr
+    assert json.loads(stdout)["exit_code"] == expected
+    s3_server.wait_idle()
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    assert not client.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+    again = run_ckpt(*args[:3])
+    assert again.exit_code == 0, again.stderr
+    assert "aborted" not in again.stderr  # nothing left for the next run to clean up
+
+
 def test_the_next_sync_aborts_the_multipart_upload_of_a_sigkilled_one(
     s3_server: S3Server, tmp_path: Path
 ) -> None:

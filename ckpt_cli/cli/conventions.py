@@ -483,7 +483,14 @@ def _report_parser_error(exc: Any, argv: list[str]) -> int:
 
 
 class CkptCommand(typer.core.TyperCommand):
-    """A command whose help names arguments by their metavar (SRC, DEST), bare, as git does."""
+    """A command whose help names arguments by their metavar (SRC, DEST), bare, as git does, and
+    whose help on a stdout that refuses it is an I/O error (exit 74), as the root's is."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except OSError as exc:  # its help, printed while its options are parsed: `> /dev/full`
+            _output_failed(exc)
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import functools
 import hashlib
 import re
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from .. import faults
 from ..faults import close_pool, io_failure, naming
 from .crc import crc32_function
 from .remote import UPLOAD_BLOCK
@@ -250,6 +252,10 @@ class ObjectUploader:
         #: the SHA-256 botocore signs for a PUT's body (plain HTTP), by request
         self._signed = SignedPayloads()
         self._listening: Any = None
+        #: multipart uploads begun and not yet completed or aborted: upload id -> (bucket, key)
+        self._open: dict[str, tuple[str, str]] = {}
+        #: closed after a signal: an upload thread still running begins no multipart upload
+        self._closed = False
 
     def ask_early(self) -> None:
         """Ask the checksum question now, in the background (once): the first uploads read
@@ -363,11 +369,22 @@ class ObjectUploader:
 
     def close(self) -> None:
         """Wait for parts still in flight (none once every upload has returned) and for the
-        probe object's removal."""
+        probe object's removal; abort the multipart uploads still open.
+
+        Those are the uploads of a command stopped by a signal: its threads inside a request
+        are not waited for (`close_pool`), and the process ends before they could abort their
+        uploads themselves, which would stay in the bucket, billed and unlisted."""
         with self._lock:
             pool, self._pool = self._pool, None
+            # after a signal, an upload thread still running is given up on (`close_pool`);
+            # otherwise this uploader may still send (a root file after the checkpoints)
+            self._closed = faults.received is not None
         if pool is not None:
             close_pool(pool)
+        with self._lock:
+            left, self._open = self._open, {}
+        for upload_id, (bucket, key) in left.items():
+            self._abort(bucket, key, upload_id)
         if self._asking is not None:
             self._asking.join()
         if self._forget is not None:
@@ -532,6 +549,13 @@ class ObjectUploader:
         self._listen()
         mpu = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key, **extra)
         upload_id = mpu["UploadId"]
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._open[upload_id] = (bucket, key)
+        if closed:  # begun as `close` (a signal) gave up on this thread: it is ours to abort
+            self._abort(bucket, key, upload_id)
+            raise OSError(errno.ECANCELED, "the upload was stopped", target)
         crc_anyway = self.crc32_by_default()
         futures: list[Future[dict[str, Any]]] = []
         parts: list[bytes] = []
@@ -588,11 +612,11 @@ class ObjectUploader:
                 if not f.cancelled():
                     f.exception()  # waited for: no part is sent after the abort
             # the upload's own failure is the one to report
-            with contextlib.suppress(Exception):
-                self.fs.call_s3(
-                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id
-                )
+            self._abort(bucket, key, upload_id)
             raise
+        finally:
+            with self._lock:
+                self._open.pop(upload_id, None)
         self.fs.invalidate_cache(target)
         return UploadedFile(
             size,
@@ -601,6 +625,12 @@ class ObjectUploader:
             _etag(done),
             checked=checks,
         )
+
+    def _abort(self, bucket: str, key: str, upload_id: str) -> None:
+        """Abort one multipart upload; a failure to is not reported (the failure that led
+        here is the one to report, and the next sync to DEST aborts what a dead run left)."""
+        with contextlib.suppress(Exception):
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
 
     def _part(
         self,

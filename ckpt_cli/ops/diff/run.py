@@ -398,6 +398,23 @@ def _whole(
         return None
 
 
+def _unused_mapping_options(request: DiffRequest) -> list[str]:
+    """`--config` and `--flavor` serve the naming mapping alone: a warning for each one given
+    to a diff that mapped no naming (as `convert` refuses `--flavor` with nothing to apply to)."""
+    given = [(o, v) for o, v in (("--config", request.config), ("--flavor", request.flavor)) if v]
+    why = (
+        "--naming off maps no naming"
+        if request.naming == OFF
+        else "A and B were not read as one model family in two namings (a torchtitan or "
+        "Megatron save and its HF export), so no naming was mapped"
+    )
+    return [
+        f"{option} {value} was not used: {why}, and it serves that mapping alone. Leave it "
+        "out, or name the two sides of one model in two namings (--naming hf)."
+        for option, value in given
+    ]
+
+
 def _given_config(spec: str | None) -> dict[str, Any] | None:
     """`--config`'s `config.json` as a dict (read, and refused, as `convert --config` reads it:
     a JSON object, a file, a model folder or a Hub model)."""
@@ -667,6 +684,8 @@ def diff_with(
             )
         excludes = request.excludes or []
         warnings = [*side_a.warnings, *side_b.warnings] if lined_namings is not None else []
+        if lined_namings is None:
+            warnings += _unused_mapping_options(request)
         warnings += unmatched_rules(
             [*left, *right], filters, excludes, matched="entry of either side"
         )
