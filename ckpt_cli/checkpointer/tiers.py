@@ -38,7 +38,7 @@ from ..errors import (
     NoCheckpointError,
     NotFoundError,
 )
-from ..ops.verify.checksums import MANIFEST_NAME
+from ..ops.verify.checksum_manifest import MANIFEST_NAME
 from ..progress import NULL_PROGRESS, Progress
 from ..sources.runs import RunCheckpoint, scan_run
 from ..storage import PARITY_DIR
@@ -85,20 +85,6 @@ def _damaged(checkpoints: list[RunCheckpoint]) -> list[RunCheckpoint]:
         and not c.slim
         and STEP_SAVE.fullmatch(c.name)
     ]
-
-
-def _manifest_unreadable(folder: Path) -> bool:
-    """Whether the save's checksum manifest is there but cannot be read as one (garbled)."""
-    from ..ops.verify.checksums import read_manifest
-
-    path = folder / MANIFEST_NAME
-    if not path.is_file():
-        return False
-    try:
-        read_manifest(path)
-    except FormatError:
-        return True
-    return False
 
 
 def _rewrite_manifest(
@@ -148,32 +134,50 @@ def _repair(
             return [], f"{problem.rstrip('.')}; so its parity cannot rebuild it"
         return [], f"{problem.rstrip('.')}; its parity could not rebuild it: {error}"
     if not report.ok:
+        if not report.unrecoverable:
+            # every file intact, but the garbled checksum manifest beside files the parity
+            # has no record of: it could not be written again (the report says why)
+            return [], f"{problem.rstrip('.')}; {report.warnings[-1]}"
         lost = ", ".join(Path(name).name for name in report.unrecoverable)
         return (
             [],
             f"{problem.rstrip('.')}; the damage is beyond its parity ({lost} cannot be rebuilt)",
-        )
-    if not report.rebuilt:
-        if _manifest_unreadable(Path(save.path)):
-            return _rewrite_manifest(save, problem, algo, log, progress)
-        return [], (
-            f"{problem.rstrip('.')}; its parity finds every file it covers intact (the damage "
-            "is in one it does not cover)"
         )
     folder = Path(save.path)
     rebuilt = [
         Path(name).relative_to(folder).as_posix() if Path(name).is_relative_to(folder) else name
         for name in report.rebuilt
     ]
-    log.warning(
-        "checkpoint %s failed its check (%s): rebuilt %s from its parity",
-        save.path,
-        problem,
-        ", ".join(rebuilt),
-    )
-    if _manifest_unreadable(folder):  # (the files are whole again: the manifest is the rest)
-        written, _ = _rewrite_manifest(save, problem, algo, log, progress)
+    if rebuilt:
+        log.warning(
+            "checkpoint %s failed its check (%s): rebuilt %s from its parity",
+            save.path,
+            problem,
+            ", ".join(rebuilt),
+        )
+    if report.rewritten:
+        # repair wrote the garbled manifest again from the parity's sha256 digests; the run's
+        # saves record `algo`'s, and are written so again (the files are whole: hashed now)
+        if algo == "sha256":
+            log.warning(
+                "checkpoint %s failed its check (%s); its parity finds every data file "
+                "intact: wrote %s again",
+                save.path,
+                problem,
+                MANIFEST_NAME,
+            )
+            written: list[str] = [MANIFEST_NAME]
+            why = None
+        else:
+            written, why = _rewrite_manifest(save, problem, algo, log, progress)
+        if why is not None and not rebuilt:
+            return [], why
         rebuilt += written
+    if not rebuilt:
+        return [], (
+            f"{problem.rstrip('.')}; its parity finds every file it covers intact (the damage "
+            "is in one it does not cover)"
+        )
     return rebuilt, None
 
 

@@ -20,7 +20,7 @@ from ...progress import NULL_PROGRESS, Progress
 from ...sources.runs.records import CHECKSUM_MANIFEST
 from ...storage import Storage
 from ...storage.output import current_umask, new_staging_folder, remove_dead_stagings
-from ..verify.checksums import (
+from ..verify.checksum_manifest import (
     ChecksumManifest,
     FileDigest,
     manifest_location,

@@ -316,7 +316,7 @@ def _check_against_manifest(root: Path, action: SlimAction) -> dict[str, tuple[s
             slimmed).
     """
     from ...storage.hashing import hash_files
-    from ..verify.checksums import MANIFEST_NAME, read_manifest
+    from ..verify.checksum_manifest import MANIFEST_NAME, read_manifest
 
     path = root / MANIFEST_NAME
     if not root.is_dir() or not path.is_file():
@@ -398,7 +398,12 @@ def _refresh_manifest(root: Path, checked: dict[str, tuple[str, _Stamp]]) -> Non
     the others (rewritten, the slim record) are hashed."""
     from ... import __version__
     from ...storage.hashing import hash_files
-    from ..verify.checksums import MANIFEST_NAME, ChecksumManifest, FileDigest, read_manifest
+    from ..verify.checksum_manifest import (
+        MANIFEST_NAME,
+        ChecksumManifest,
+        FileDigest,
+        read_manifest,
+    )
 
     path = root / MANIFEST_NAME
     if not root.is_dir() or not path.is_file():

@@ -16,7 +16,7 @@ from ...sources.runs import RUN_SLIM_RECORD, UNMARKED, RunCheckpoint
 from ...sources.runs.records import SYNC_RECORD, checksum_manifest_of
 from ...storage import Storage, is_staging_name
 from ...storage.output import UPLOAD_BLOCK
-from ..verify.checksums import ChecksumManifest
+from ..verify.checksum_manifest import ChecksumManifest
 
 #: files written after a checkpoint's data, in this order (the manifest always last)
 _LATE = ("trainer_state.json",)

@@ -47,7 +47,7 @@ from ...storage.output import (
     recover_old_copies_in,
 )
 from ...storage.uri import parse_location
-from ..verify.checksums import MANIFEST_NAME, ChecksumManifest, refuse_unsafe_manifest
+from ..verify.checksum_manifest import MANIFEST_NAME, ChecksumManifest, refuse_unsafe_manifest
 from .model import DEFAULT_JOBS, RateLimit, SyncedCheckpoint, SyncReport
 from .plan import ROOT_FILES, left_out, remote_manifest_bytes
 

@@ -27,7 +27,7 @@ from ...storage.output import UPLOAD_BLOCK
 from ...storage.remote_replies import listing_time
 from ...storage.uri import parse_location
 from ..prune.retention import RETENTION_OPTIONS, PrunePolicy, PruneReport
-from ..verify.checksums import ChecksumManifest, FileDigest
+from ..verify.checksum_manifest import ChecksumManifest, FileDigest
 from .model import (
     DEFAULT_JOBS,
     SYNC_ALGORITHM,
@@ -280,7 +280,7 @@ class _Uploader:
         own_manifest: ChecksumManifest | None = None
         local_manifest = self.run_root / manifest_rel
         if is_dir and manifest_rel in files:
-            from ..verify.checksums import read_manifest
+            from ..verify.checksum_manifest import read_manifest
 
             own_manifest = read_manifest(local_manifest)
             del files[manifest_rel]

@@ -1,1 +1,1 @@
-"""`verify`: the operation (`run`), its report (`report`), the structural check (`structure`) and checksum manifests (`checksums`)."""
+"""`verify`: the operation (`run`), its report (`report`), the structural check (`structure`), the checksum checks (`checksums`) and the checksum manifest itself (`checksum_manifest`)."""

@@ -24,27 +24,22 @@ from ...dist.command import CombinedProgress, RankShare, active
 from ...errors import (
     CkptError,
     DestinationExistsError,
-    FormatError,
-    NotFoundError,
-    UnsafeInputError,
     UsageError,
 )
 from ...formats import resolve_source
 from ...formats.base import Source
-from ...formats.names import is_commit_marker, is_index_file
+from ...formats.names import is_index_file
 from ...formats.weight_map import MAX_INDEX_BYTES
-from ...models import Problem, Record
+from ...models import Problem
 from ...progress import Progress
-from ...sources.runs.records import CHECKSUM_MANIFEST
 from ...storage import (
     LocalStorage,
     RemoteFile,
     Storage,
     file_version,
     hf_cache_repo,
-    safe_relpath,
 )
-from ...storage.hashing import ALGORITHMS, Hashable, StoredFile, hash_files
+from ...storage.hashing import Hashable, StoredFile, hash_files
 from ...storage.output import (
     Destination,
     check_destination,
@@ -52,17 +47,22 @@ from ...storage.output import (
     local_destination,
     read_destination,
     remote_key,
-    resolve_destination,
-    staged_output,
 )
-from ...storage.uri import canonical_remote, is_hub_url, parse_location
+from ...storage.uri import canonical_remote, is_hub_url
+from .checksum_manifest import (
+    MANIFEST_NAME,
+    ChecksumManifest,
+    FileDigest,
+    local_root,
+    manifest_exists,
+    manifest_location,
+    read_manifest,
+    write_manifest,
+)
 
 if TYPE_CHECKING:
     from .report import VerifyReport
 
-#: default manifest file name, inside a checkpoint folder (or beside a single-file checkpoint)
-MANIFEST_NAME = CHECKSUM_MANIFEST
-MANIFEST_VERSION = 1
 #: the fix of a file that no longer matches its manifest record
 _RESTORE_FIX = (
     "Restore it from a good copy (`ckpt repair` rebuilds it where the checkpoint was "
@@ -75,83 +75,7 @@ _UNLISTED_FIX = (
 )
 
 
-class FileDigest(Record):
-    """One file recorded in a checksum manifest."""
-
-    size: int
-    digest: str
-
-
-class ChecksumManifest(Record):
-    """The content of `ckpt-manifest.json`.
-
-    Attributes:
-        ckpt_manifest: file format version.
-        algorithm: `sha256`, `blake3` or `xxh3` (XXH3-128).
-        created: when it was written (UTC, ISO 8601).
-        tool: the ckpt version that wrote it.
-        format: the checkpoint format token.
-        files: path relative to the checkpoint root -> size and hex digest.
-    """
-
-    ckpt_manifest: int = MANIFEST_VERSION
-    algorithm: str
-    created: str
-    tool: str
-    format: str | None = None
-    files: dict[str, FileDigest]
-
-    def unsafe_names(self) -> list[str]:
-        """The names that are no file inside the checkpoint (`../x`, `/etc/x`, a NUL): a
-        corrupt or hostile manifest, refused as such, never reported as missing files."""
-        out = []
-        for name in self.files:
-            try:
-                safe_relpath(name, source="")
-            except UnsafeInputError:
-                out.append(name)
-        return out
-
-
-def refuse_unsafe_manifest(manifest: ChecksumManifest, where: str) -> None:
-    """Refuse (exit 4) a manifest that names a path outside the checkpoint."""
-    unsafe = manifest.unsafe_names()
-    if unsafe:
-        more = f" and {len(unsafe) - 1} more" if len(unsafe) > 1 else ""
-        raise UnsafeInputError(
-            f"names {unsafe[0]!r}{more}, not a file inside the checkpoint (an absolute path, "
-            "or one that leaves it)",
-            path=where,
-            fix="This manifest is corrupt or hostile; do not use it. Write a new one from a "
-            "known-good copy with `ckpt verify SRC --write-manifest --force`.",
-        )
-
-
-def manifest_exists(path: Destination) -> bool:
-    """Whether a manifest file exists at `path` (local or in an object store)."""
-    return destination_exists(path)
-
-
 # ---------------------------------------------------------------- checksums and the manifest
-
-
-def default_manifest_path(source: Source) -> Path:
-    """`ckpt-manifest.json` in the checkpoint folder (beside the file for a single file)."""
-    return _local_root(source) / MANIFEST_NAME
-
-
-def manifest_location(source: Source, manifest: str | None) -> Destination:
-    """Where the checksum manifest is: `--manifest` (a path or URL), else in the checkpoint."""
-    if manifest is not None:
-        loc = parse_location(manifest)
-        if loc.kind == "local":
-            return Path(manifest)
-        return resolve_destination(manifest)
-    storage = source.storage
-    if storage.writable and storage.local_root is None:
-        # in the object store, beside the checkpoint's files
-        return storage.destination(MANIFEST_NAME)
-    return default_manifest_path(source)
 
 
 def _refuse_manifest_over_checkpoint(
@@ -207,12 +131,6 @@ def _refuse_checkpoint_file(path: Destination, default: Destination) -> None:
         path=str(path),
         fix=f"Name another --manifest path (the default is {default}).",
     )
-
-
-def _local_root(source: Source) -> Path:
-    root = source.storage.local_root
-    assert root is not None, "callers check for a local checkpoint first"
-    return root
 
 
 def checksum_checks(
@@ -471,61 +389,6 @@ def _refuse_hub_manifest(manifest: str | None, source: Source) -> None:
         )
 
 
-def read_manifest(path: Destination) -> ChecksumManifest:
-    """Load a checksum manifest; NotFoundError / FormatError with the fix when unusable."""
-    try:
-        raw = read_destination(path, MAX_JSON_RECORD)
-    except FormatError as error:
-        raise FormatError(
-            error.problem,
-            path=str(path),
-            fix="Write it again with `ckpt verify SRC --write-manifest --force`.",
-        ) from None
-    except FileNotFoundError:
-        raise NotFoundError(
-            "no checksum manifest here",
-            path=str(path),
-            fix="Write one from a known-good copy with `ckpt verify SRC --write-manifest`, or "
-            "name it with --manifest PATH.",
-        ) from None
-    try:
-        data: Any = json.loads(raw)
-        manifest = ChecksumManifest.model_validate(data)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise FormatError(
-            f"is not a valid ckpt checksum manifest ({str(exc).splitlines()[0]})",
-            path=str(path),
-            fix="Write it again with `ckpt verify SRC --write-manifest --force`.",
-        ) from None
-    refuse_unsafe_manifest(manifest, str(path))
-    if manifest.algorithm not in ALGORITHMS:
-        raise FormatError(
-            f"records digests of unknown algorithm {manifest.algorithm!r}",
-            path=str(path),
-            fix=f"Update ckpt if a newer release wrote it (this one knows "
-            f"{', '.join(ALGORITHMS)}), or write the manifest again with `ckpt verify SRC "
-            "--write-manifest --force`.",
-        )
-    return manifest
-
-
-def write_manifest(path: Destination, record: ChecksumManifest, force: bool) -> None:
-    """Publish the manifest atomically (temporary sibling + one rename, or an upload)."""
-    # python mode, not "json": pydantic turns a dict key that is not UTF-8 (a file name's lone
-    # surrogates) into replacement characters, where json escapes it as `\udcff`, read back
-    # to the name on disk
-    data = (json.dumps(record.model_dump(), indent=2) + "\n").encode()
-    with (
-        staged_output(
-            path, commit_marker=is_commit_marker, force=force, single_file=True
-        ) as staging,
-        open(staging / path.name, "wb") as fh,
-    ):
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 # ---------------------------------------------------------------- against the Hub's digests
 
 
@@ -657,7 +520,7 @@ def _cache_against_addresses(
     is checked against the name of the blob it links to (`blobs/<sha256>` for LFS files,
     `blobs/<git blob id>` for regular ones), as `hf cache verify` checks them against the
     Hub, offline. A file that is not a link into `blobs/` has no address to check."""
-    root = _local_root(source)
+    root = local_root(source)
     blobs = cache / "blobs"
     names = [source.target] if source.target is not None else sorted(source.files)
     names = [n for n in names if n not in outside]
@@ -714,7 +577,7 @@ def _local_against_hub(
     digests = storage.server_digests()
     assert digests is not None, "an hf:// location opens a Hub storage, which records digests"
     report.manifest = storage.display
-    root = _local_root(source)
+    root = local_root(source)
     local = {
         name: root / name
         for name in source.files

@@ -29,10 +29,10 @@ from ...progress import NULL_PROGRESS, Progress
 from ...sizes import counted
 from ...sources.layouts import OpenedSource
 from ...sources.opening import SourceOpener, recognise_layout
-from ...sources.runs.naming import nested_saves
 from ...storage.hashing import ALGORITHMS
 from ..parity import ParityCheck, check_parity, damage_text
-from .checksums import MANIFEST_NAME, checksum_checks, manifest_exists, manifest_location
+from .checksum_manifest import MANIFEST_NAME, manifest_exists, manifest_location
+from .checksums import checksum_checks
 from .report import TensorHealth, VerifyReport
 from .structure import structure_checks
 
@@ -189,7 +189,13 @@ def verify_with(
         }
         # a Trainer's `output_dir`: the final model at the root, the run's saves beside it,
         # each a checkpoint of its own (they were counted as this one's, and never checked)
-        nested = nested_saves(source.files) if source.target is None else []
+        # (the run-name rules are imported only for a folder with sub-folders: a model
+        # folder of shards pays nothing for them)
+        nested = []
+        if source.target is None and any("/" in n for n in source.files):
+            from ...sources.runs.naming import nested_saves
+
+            nested = nested_saves(source.files)
         # nor hashed into (or checked against) this checkpoint's manifest: each has its own
         skipped = set(outside) | {n for n in source.files if n.split("/")[0] in nested}
         if nested:
