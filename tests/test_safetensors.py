@@ -318,3 +318,19 @@ def test_a_name_with_a_hash_component_is_shown_as_written(tmp_path: Path) -> Non
     assert {node["name"] for node in tree} == {"#.x", "a"}
     (a,) = [node for node in tree if node["name"] == "a"]
     assert [child["name"] for child in a["children"]] == ["#", "{1}"]
+
+
+def test_a_weight_map_path_with_backslashes_is_named_as_such_not_as_an_absolute_path(
+    tmp_path: Path,
+) -> None:
+    """`..\\..\\etc\\passwd` leaves the checkpoint on Windows; it is refused as it was, but the
+    message called it "the absolute path", which it is not."""
+    index_path = _sharded(tmp_path / "ckpt")
+    index = json.loads(index_path.read_text())
+    index["weight_map"][next(iter(index["weight_map"]))] = "..\\..\\etc\\passwd"
+    index_path.write_text(json.dumps(index))
+    result = run_ckpt("inspect", tmp_path / "ckpt", "--json")
+    assert result.exit_code == 4
+    assert result.json["error"]["code"] == "unsafe_input"
+    message = result.json["error"]["message"]
+    assert "backslash" in message and "absolute" not in message, message

@@ -45,9 +45,18 @@ def safe_relpath(name: str, *, source: str) -> str:
             path=source,
             fix="This file is corrupt or hostile; do not use it.",
         )
-    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":") or "\\" in name:
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
         raise UnsafeInputError(
             f"names the absolute path {name!r}; checkpoint files must be relative to the checkpoint",
+            path=source,
+            fix="This file is corrupt or hostile; do not use it.",
+        )
+    if "\\" in name:
+        # a Windows separator: `..\\..\\etc` leaves the checkpoint there, and no writer of
+        # these formats puts one in a name
+        raise UnsafeInputError(
+            f"names {name!r}, a path with a backslash (a Windows separator); checkpoint files "
+            "are named with '/'",
             path=source,
             fix="This file is corrupt or hostile; do not use it.",
         )
