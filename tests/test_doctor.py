@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -1558,3 +1559,25 @@ def test_a_run_whose_saves_are_all_incomplete_names_them_and_a_fix_that_helps(
     assert "checkpoint-2: incomplete" in error["message"]
     assert "checkpoint-4: incomplete" in error["message"]
     assert "--settle" not in error["fix"] and "--before and --after" in error["fix"]
+
+
+def test_one_save_interval_longer_than_the_only_other_is_no_stop_in_a_straight_run(
+    tmp_path: Path,
+) -> None:
+    """A straight run of three saves (two intervals), the second a few seconds longer than the
+    first (the first save of a tiny run is quick, a later one waits on a log flush): doctor
+    called the second a stop and resume (`how: ["time"]`) against a baseline of one interval.
+    With one interval to compare with, a gap is a stop only when it is past it by minutes, as
+    a job's restart is (the hour-long stop of the rank test above still is)."""
+    run = tmp_path / "run"
+    _plain_loop(run, None, until=6)
+    start = time.time() - 600
+    for offset, name in ((0.0, "ckpt_2.pt"), (0.5, "ckpt_4.pt"), (4.0, "ckpt_6.pt")):
+        os.utime(run / name, (start + offset, start + offset))
+    result = run_ckpt("doctor", run, "--json")
+    assert result.exit_code == 0, result.stdout
+    assert [p["how"] for p in result.json["result"]["resume_points"]] == [[], []]
+    # the same run stopped for ten minutes before its last save: a stop
+    os.utime(run / "ckpt_6.pt", (start + 600.5, start + 600.5))
+    result = run_ckpt("doctor", run, "--json")
+    assert [p["how"] for p in result.json["result"]["resume_points"]] == [[], ["time"]]

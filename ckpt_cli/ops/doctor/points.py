@@ -18,6 +18,12 @@ from .pair import Pair
 #: a gap this many times the run's median save interval (and a second longer; per step where
 #: the steps are known) is a stop
 _GAP_FACTOR = 3.0
+#: how much longer than the typical interval a gap must be, in seconds: with two intervals or
+#: more to compare with, a second; with one, a single interval is no baseline (a tiny run's
+#: first save is quick, a later one waits on a flush), and a job's stop and restart (the
+#: queue, the start-up, the load) takes minutes
+_GAP_EXCESS = 1.0
+_GAP_EXCESS_ONE_BASELINE = 60.0
 
 
 def find(pairs: list[Pair], declared: bool) -> list[ResumePoint]:
@@ -43,7 +49,8 @@ def find(pairs: list[Pair], declared: bool) -> list[ResumePoint]:
         others = [g for j, g in enumerate(paces) if j != i and g > 0]
         if others:
             typical = statistics.median(others)
-            if paces[i] > _GAP_FACTOR * typical and gaps[i] - typical * steps[i] > 1.0:
+            excess = _GAP_EXCESS if len(others) >= 2 else _GAP_EXCESS_ONE_BASELINE
+            if paces[i] > _GAP_FACTOR * typical and gaps[i] - typical * steps[i] > excess:
                 how.append("time")
         points.append(
             ResumePoint(
