@@ -108,7 +108,7 @@ def invocations(world: dict[str, Path], tmp: Path) -> dict[str, list[str]]:
         "prune": ["prune", str(run), "--keep-last", "2"],
         "latest": ["latest", str(run)],
         "diff": ["diff", model, str(world["other"])],
-        "protect": ["protect", str(protected)],
+        "protect": ["protect", str(protected), "--force"],  # (run twice by one test)
         "repair": ["repair", str(protected)],
     }
 

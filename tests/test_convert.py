@@ -920,3 +920,34 @@ def test_a_companion_left_out_on_purpose_says_why_not_that_ckpt_cannot_carry_it(
     model = LlamaForCausalLM.from_pretrained(out)
     want = LlamaForCausalLM.from_pretrained(tiny_llama).state_dict()
     assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())
+
+
+def test_converting_an_output_dir_names_each_save_beside_the_model_once(tmp_path: Path) -> None:
+    """A Trainer's `output_dir` after `trainer.save_model()`: the final model at the root, the
+    run's `checkpoint-N/` saves beside it. `ckpt convert out export` converts the root model;
+    the saves' files were each "in a subfolder ckpt does not read" (one line a file, cut at
+    eight), which hid that they are saves. Each save is now one line saying it is a
+    checkpoint of its own and how to convert it; `--json` still lists every file."""
+    from .run_fixtures import trainer_checkpoint
+
+    out = tmp_path / "out"
+    out.mkdir()
+    save_file({"w": torch.ones(4)}, out / "model.safetensors")
+    (out / "config.json").write_text('{"model_type": "llama"}')
+    for step in (2, 4, 6):
+        trainer_checkpoint(out / f"checkpoint-{step}", step)
+    saved = sorted(
+        p.relative_to(out).as_posix()
+        for p in out.rglob("*")
+        if p.is_file() and "/" in p.relative_to(out).as_posix()
+    )
+    result = run_ckpt("convert", out, tmp_path / "export", "--to", "safetensors")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if "not in the output" in line]
+    assert len(lines) == 3, result.stderr
+    for step, line in zip((2, 4, 6), lines, strict=True):
+        assert f"checkpoint-{step}/ (" in line and "a checkpoint of its own" in line, line
+        assert f"ckpt convert {out}/checkpoint-{step}" in line, line
+    again = run_ckpt("convert", out, tmp_path / "export2", "--to", "safetensors", "--json")
+    skipped = {s["name"] for s in again.json["result"]["skipped"] if s["kind"] == "file"}
+    assert skipped == set(saved)

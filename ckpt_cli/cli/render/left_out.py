@@ -1,6 +1,7 @@
 """What an output does not hold, said one way by every command that writes one (`convert`,
-`reshard`, `merge`): on stderr, each file under "not in the output:", then the entries left out
-by reason; never among the data on stdout."""
+`reshard`, `merge`): on stderr, each file under "not in the output:" (a sub-folder's files left
+out for one reason on one line), then the entries left out by reason; never among the data on
+stdout."""
 
 from __future__ import annotations
 
@@ -16,13 +17,23 @@ MAX_LISTED = 8
 def render_not_in_output(skipped: Sequence[SkippedEntry]) -> None:
     """What the output does not hold, on stderr: each file, then the entries by reason (a dry
     run says the same as the run it plans)."""
-    left = [s for s in skipped if s.kind == "file"]
-    for item in left[:MAX_LISTED]:
-        stderr.print(
-            f"[yellow]not in the output:[/] {one_line(item.name)}: {item.reason}", highlight=False
-        )
-    if len(left) > MAX_LISTED:
-        stderr.print(f"[yellow]… {len(left) - MAX_LISTED} more files not in the output[/]")
+    # the files of one sub-folder left out for one reason (a save beside the model) are one
+    # line: `checkpoint-500/ (7 files)`
+    lines: dict[tuple[str, str], list[str]] = {}
+    for item in skipped:
+        if item.kind == "file":
+            folder = item.name.split("/", 1)[0] + "/" if "/" in item.name else item.name
+            lines.setdefault((folder, item.reason), []).append(item.name)
+    shown = [
+        (f"{one_line(folder)} ({len(names)} files)" if len(names) > 1 else one_line(names[0]))
+        + f": {reason}"
+        for (folder, reason), names in lines.items()
+    ]
+    for line in shown[:MAX_LISTED]:
+        stderr.print(f"[yellow]not in the output:[/] {line}", highlight=False)
+    if len(shown) > MAX_LISTED:
+        rest = sum(len(names) for names in list(lines.values())[MAX_LISTED:])
+        stderr.print(f"[yellow]… {rest} more files not in the output[/]")
     by_reason: dict[str, list[SkippedEntry]] = {}
     for entry in skipped:
         if entry.kind != "file":

@@ -713,6 +713,13 @@ def account_files(
         read.update(f.path for f in checkpoint.manifest.files if f.path not in other)
     held = {entry.file for entry in checkpoint.manifest.entries if entry.file}
     left_out = {s.name for s in plan.skipped}
+    # a Trainer's `output_dir`: the run's saves beside the final model, each a checkpoint of
+    # its own (the run-name rules are imported only for a folder with sub-folders)
+    saves: set[str] = set()
+    if source.target is None and any("/" in rel for rel in names):
+        from ...sources.runs.naming import nested_saves
+
+        saves = set(nested_saves(names))
     skipped: list[SkippedEntry] = []
     carried_set = set(carried)
     for rel in names:
@@ -754,6 +761,12 @@ def account_files(
                 f"the companion of the {folder}/ weights read into the output, whose entries "
                 f"are renamed {folder}.*: `--select {folder}` writes that model as a folder "
                 "of its own, with it"
+            )
+        elif "/" in rel and (top := rel.split("/", 1)[0]) in saves:
+            where = f"{source.location.raw.rstrip('/')}/{top}"
+            why = (
+                "a save of the run beside the model at the root, a checkpoint of its own: "
+                f"`ckpt convert {where} DEST` converts it"
             )
         elif "/" in rel and not single_file:
             why = "in a subfolder ckpt does not read: copy it by hand if the output needs it"
