@@ -817,3 +817,19 @@ def test_settle_says_one_thing_in_every_command_that_takes_it() -> None:
     assert "commit marker" in helps["sync"] and "not replaced" in helps["sync"]
     safety = (REPO / "docs" / "safety.md").read_text()
     assert "`--settle DURATION`" in safety and "latest, doctor, prune, sync" in safety
+
+
+def test_piped_tables_carry_no_trailing_padding(world: dict[str, Path], tmp_path: Path) -> None:
+    """Off a terminal a table's rows were padded with spaces to its widest cell, the last
+    column too (406 characters a row for `prune`'s rules): `awk '{print length}'`, `diff` and
+    editors saw them. Rows now end at their last character; columns stay aligned."""
+    run = trainer_run(tmp_path)
+    for args in (
+        ["prune", str(run), "--keep-last", "1"],
+        ["inspect", str(world["model"]), "--list"],
+    ):
+        result = run_ckpt_process(*args)
+        assert result.exit_code in (0, 1), (args, result.stderr)
+        lines = result.stdout.splitlines()
+        assert len(lines) > 2, (args, result.stdout)
+        assert [line for line in lines if line != line.rstrip()] == [], args

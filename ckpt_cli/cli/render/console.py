@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+from collections.abc import Iterable
 from typing import IO, Any, cast
 
 from rich.console import Console, ConsoleDimensions
+from rich.segment import Segment
 from rich.text import Text
 
 from .terminal import UNWRAPPED_WIDTH, closed_pipe_exit, safe_text
@@ -15,6 +17,8 @@ from .terminal import UNWRAPPED_WIDTH, closed_pipe_exit, safe_text
 #: the words of ckpt's own markup tags (`[bold]`, `[bold red]`, `[dim]`, `[/]`...)
 STYLE_WORDS = ("bold", "dim", "italic", "underline", "red", "green", "yellow", "cyan", "magenta")
 _OWN_TAG = re.compile(rf"/?(?:(?:{'|'.join(STYLE_WORDS)})(?: (?:{'|'.join(STYLE_WORDS)}))*)?")
+#: spaces at the end of a line, before its style's reset code where colour is on
+_TRAILING_SPACES = re.compile(r" +((?:\x1b\[0m)?)(?=\n|\Z)")
 #: what rich's markup parser takes for a tag (`rich.markup.RE_TAGS`)
 _TAG = re.compile(r"(\\*)\[([a-z#/@][^\[]*?)\]")
 
@@ -121,6 +125,14 @@ class SafeConsole(Console):
     def size(self, new_size: tuple[int, int]) -> None:
         width, height = new_size
         self._width, self._height = width, height
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        """What rich writes, less the spaces a table pads its last column with off a terminal
+        (each row as wide as the widest cell: `awk`, `diff` and editors see them)."""
+        rendered = super()._render_buffer(buffer)
+        if self.on_terminal:
+            return rendered
+        return _TRAILING_SPACES.sub(r"\1", rendered)
 
     def on_broken_pipe(self) -> None:
         # rich's default exits 1, which scripts read as "problems found"

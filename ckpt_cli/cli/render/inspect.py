@@ -208,10 +208,10 @@ def _entry_row(e: Entry) -> tuple[str, str, str, str, str]:
 
 def _print_columns(rows: list[tuple[str, str, str, str, str]]) -> None:
     """The `--list` table off a terminal: the layout rich's borderless table has there (every
-    column padded to its widest cell, two spaces apart, one record per line), written as plain
-    lines. Rich measures and renders each cell (about 0.7 ms a row: minutes for 100,000
-    tensors); this is a few microseconds a row. Names are escaped as on the console and never
-    read as markup."""
+    column padded to its widest cell, two spaces apart, one record per line, no spaces after
+    the last cell), written as plain lines. Rich measures and renders each cell (about 0.7 ms
+    a row: minutes for 100,000 tensors); this is a few microseconds a row. Names are escaped
+    as on the console and never read as markup."""
     from rich.cells import cell_len
 
     header = _LIST_COLUMNS
@@ -224,7 +224,9 @@ def _print_columns(rows: list[tuple[str, str, str, str, str]]) -> None:
                 widths[i] = n
 
     def line(cells: tuple[str, ...], sizes: list[int]) -> str:
-        return "  ".join(c + " " * (w - n) for c, w, n in zip(cells, widths, sizes, strict=True))
+        # (no padding after the last cell: a row ends at its last character)
+        padded = "  ".join(c + " " * (w - n) for c, w, n in zip(cells, widths, sizes, strict=True))
+        return padded.rstrip(" ")
 
     out = [line(header, [cell_len(h) for h in header])]
     out += [line(row, row_lengths) for row, row_lengths in zip(escaped, lengths, strict=True)]
