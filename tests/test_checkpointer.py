@@ -1171,6 +1171,7 @@ def test_the_library_pages_training_loop_runs_as_written_and_resumes_from_the_bu
     assert latest("s3://bucket/exp1") == "s3://bucket/exp1/step-300"
 
 
+@pytest.mark.slow  # 2-6 s: the fast loop stays under 3 minutes
 def test_a_new_run_with_upload_starts_fresh_on_an_empty_prefix_and_resumes_from_it_later(
     tmp_path: Path, s3_server: S3Server
 ) -> None:

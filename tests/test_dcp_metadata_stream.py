@@ -257,6 +257,7 @@ def _real_dcp(path: Path, count: int) -> Path:
     return path
 
 
+@pytest.mark.slow  # 2-6 s: the fast loop stays under 3 minutes
 def test_planner_data_of_a_real_save_and_torch_reads_it(tmp_path: Path) -> None:
     """A reshard carries the source's planner_data (unpickled by ckpt's own reader): the bytes
     still match, and torch's reader reads the written `.metadata`."""

@@ -594,6 +594,7 @@ def test_optimizer_state_restored_under_another_parameter_order_is_found(tmp_pat
     assert result.json["result"]["causes"] == []
 
 
+@pytest.mark.slow  # 2-6 s: the fast loop stays under 3 minutes
 def test_state_reordered_within_nanogpt_param_groups_is_found(tmp_path: Path) -> None:
     """The same refactor under nanoGPT's two param groups (matrices, then vectors): the ids
     no longer follow the saved model's order (group 0 takes `up.weight`, `down.weight`,
@@ -992,6 +993,7 @@ def _batchnorm_loop(run: Path, resume: int | None, until: int, *, eval_after_loa
     _train_and_save(run, model, optimizer, xs, ys, step, until)
 
 
+@pytest.mark.slow  # 2-6 s: the fast loop stays under 3 minutes
 def test_a_model_left_in_eval_mode_at_the_resume_is_found_by_its_batchnorm(
     tmp_path: Path,
 ) -> None:

@@ -122,6 +122,7 @@ def test_sync_uploads_complete_saves_only_verified_and_once(
     assert "uploaded 0 checkpoints" in human.stdout and "present" in human.stdout
 
 
+@pytest.mark.slow  # 2-6 s: the fast loop stays under 3 minutes
 def test_a_protected_save_with_its_checksum_manifest_syncs_with_its_parity(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -2112,6 +2113,7 @@ def test_uploads_do_not_wait_for_the_probe_objects_removal(
     assert not [k for k in list_keys(s3_server.endpoint, BUCKET) if "probe" in k]
 
 
+@pytest.mark.slow  # 2-6 s: the fast loop stays under 3 minutes
 def test_a_manifest_damaged_on_the_way_is_caught_and_not_left_behind(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -2316,6 +2318,7 @@ def test_sync_dry_run_writes_nothing_on_either_side(s3_server: S3Server, tmp_pat
     assert watched.exit_code == 2 and "--watch" in watched.stderr
 
 
+@pytest.mark.slow  # 2-6 s: the fast loop stays under 3 minutes
 def test_an_empty_run_folder_is_a_run_before_its_first_save(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -2397,6 +2400,7 @@ def test_a_signalled_sync_aborts_its_own_multipart_upload(
     assert "aborted" not in again.stderr  # nothing left for the next run to clean up
 
 
+@pytest.mark.slow  # 2-6 s: the fast loop stays under 3 minutes
 def test_the_next_sync_aborts_the_multipart_upload_of_a_sigkilled_one(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
