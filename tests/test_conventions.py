@@ -236,19 +236,7 @@ def test_a_help_that_stdout_refuses_is_an_io_error_not_a_crash(
     its own arguments are parsed, outside what the root's parser guards."""
     if stdout == "full" and not Path("/dev/full").exists():
         pytest.skip("this system has no /dev/full")
-    with contextlib.ExitStack() as stack:
-        target: Any = stack.enter_context(open("/dev/full", "w")) if stdout == "full" else None
-        done = subprocess.run(
-            [sys.executable, "-m", "ckpt_cli", *args],
-            stdout=target,
-            stderr=subprocess.PIPE,
-            env=_env(),
-            timeout=120,
-            preexec_fn=None if stdout == "full" else _close_stdout,
-        )
-    assert done.returncode == 74, done.stderr
-    errno_name = "ENOSPC" if stdout == "full" else "EBADF"
-    assert errno_name in done.stderr.decode() and b"Traceback" not in done.stderr
+    _assert_refused_stdout_is_an_io_error(args, stdout)
 
 
 @pytest.mark.parametrize("json_output", [False, True], ids=["human", "json"])
@@ -263,21 +251,26 @@ def test_a_stdout_that_refuses_the_result_is_an_io_error_not_a_crash(
         pytest.skip("this system has no /dev/full")
     run = trainer_run(tmp_path)
     for args in (["inspect", str(world["model"]), "--list"], ["latest", str(run)]):
-        args += ["--json"] if json_output else []
-        with contextlib.ExitStack() as stack:
-            target: Any = stack.enter_context(open("/dev/full", "w")) if stdout == "full" else None
-            done = subprocess.run(
-                [sys.executable, "-m", "ckpt_cli", *args],
-                stdout=target,
-                stderr=subprocess.PIPE,
-                env=_env(),
-                timeout=120,
-                # `>&-`: the child starts without a file descriptor 1
-                preexec_fn=None if stdout == "full" else _close_stdout,
-            )
-        assert done.returncode == 74, done.stderr
-        errno_name = "ENOSPC" if stdout == "full" else "EBADF"
-        assert errno_name in done.stderr.decode() and b"Traceback" not in done.stderr
+        _assert_refused_stdout_is_an_io_error(args + (["--json"] if json_output else []), stdout)
+
+
+def _assert_refused_stdout_is_an_io_error(args: list[str], stdout: str) -> None:
+    """`ckpt ARGS` with stdout on /dev/full (`full`) or closed (`closed`, `>&-`): exit 74
+    naming the errno, no traceback."""
+    with contextlib.ExitStack() as stack:
+        target: Any = stack.enter_context(open("/dev/full", "w")) if stdout == "full" else None
+        done = subprocess.run(
+            [sys.executable, "-m", "ckpt_cli", *args],
+            stdout=target,
+            stderr=subprocess.PIPE,
+            env=_env(),
+            timeout=120,
+            # `>&-`: the child starts without a file descriptor 1
+            preexec_fn=None if stdout == "full" else _close_stdout,
+        )
+    assert done.returncode == 74, done.stderr
+    errno_name = "ENOSPC" if stdout == "full" else "EBADF"
+    assert errno_name in done.stderr.decode() and b"Traceback" not in done.stderr
 
 
 def _close_stdout() -> None:

@@ -1990,19 +1990,10 @@ def test_parts_carry_their_crc32_to_a_store_that_checks_and_a_damaged_part_is_re
     """A multipart upload to a store that checks checksums: each part with its CRC32, a
     damaged part refused and the upload aborted, then sent whole and verified."""
     import boto3
-    from safetensors.torch import save_file
-
-    from ckpt_cli.storage.object_upload import SINGLE_PUT_MAX
 
     make_bucket(s3_server.endpoint, BUCKET)
     s3_server.checks_checksums = True
-    folder = tmp_path / "run" / "step-1"
-    folder.mkdir(parents=True)
-    save_file(
-        {"w": torch.arange(SINGLE_PUT_MAX // 4 + 10, dtype=torch.float32)}, folder / "m.safetensors"
-    )
-    os.utime(folder / "m.safetensors", (time.time() - 7200,) * 2)
-    os.utime(folder, (time.time() - 7200,) * 2)  # a plain save: settled, not being written
+    _multipart_sized_save(tmp_path / "run" / "step-1", "m.safetensors")
     s3_server.corrupt = lambda r: r.method == "PUT" and "partNumber=2&" in r.query + "&"
     first = sync(str(tmp_path / "run"), f"s3://{BUCKET}/big/")
     assert first.failed and not first.transferred
@@ -2352,21 +2343,10 @@ def test_a_signalled_sync_aborts_its_own_multipart_upload(
     process aborts its own unfinished uploads before it exits, as it removes its partial
     outputs, so the bucket holds no unfinished upload."""
     import boto3
-    from safetensors.torch import save_file
-
-    from ckpt_cli.storage.object_upload import SINGLE_PUT_MAX
 
     make_bucket(s3_server.endpoint, BUCKET)
-    folder = tmp_path / "run" / "step-1"
-    folder.mkdir(parents=True)
-    big = torch.arange(SINGLE_PUT_MAX // 4 + 10, dtype=torch.float32)
-    save_file({"w": big}, folder / "model.safetensors")
-    os.utime(folder / "model.safetensors", (time.time() - 7200,) * 2)
-    os.utime(folder, (time.time() - 7200,) * 2)  # a plain save: settled, not being written
-
-    def part(r: S3Request) -> bool:
-        return r.method == "PUT" and "partNumber=" in r.query
-
+    _multipart_sized_save(tmp_path / "run" / "step-1")
+    part = _part_upload
     s3_server.hold = part
     env = dict(os.environ, PYTHONPATH=str(REPO))
     args = ["sync", str(tmp_path / "run"), f"s3://{BUCKET}/big/", "--json"]
@@ -2409,21 +2389,10 @@ def test_the_next_sync_aborts_the_multipart_upload_of_a_sigkilled_one(
     to that destination aborts the upload (and removes the dead run's lease), says so, and
     sends the file whole; the bucket ends with no unfinished upload and no lease."""
     import boto3
-    from safetensors.torch import save_file
-
-    from ckpt_cli.storage.object_upload import SINGLE_PUT_MAX
 
     make_bucket(s3_server.endpoint, BUCKET)
-    folder = tmp_path / "run" / "step-1"
-    folder.mkdir(parents=True)
-    big = torch.arange(SINGLE_PUT_MAX // 4 + 10, dtype=torch.float32)
-    save_file({"w": big}, folder / "model.safetensors")
-    os.utime(folder / "model.safetensors", (time.time() - 7200,) * 2)
-    os.utime(folder, (time.time() - 7200,) * 2)  # a plain save: settled, not being written
-
-    def part(r: S3Request) -> bool:
-        return r.method == "PUT" and "partNumber=" in r.query
-
+    saved = _multipart_sized_save(tmp_path / "run" / "step-1")
+    part = _part_upload
     s3_server.hold = part
     env = dict(os.environ, PYTHONPATH=str(REPO))
     args = ["sync", str(tmp_path / "run"), f"s3://{BUCKET}/big/"]
@@ -2457,9 +2426,7 @@ def test_the_next_sync_aborts_the_multipart_upload_of_a_sigkilled_one(
     assert "big/step-1/ckpt-manifest.json" in keys
     pulled = tmp_path / "pulled"
     assert run_ckpt("sync", f"s3://{BUCKET}/big/", pulled).exit_code == 0
-    assert (pulled / "step-1" / "model.safetensors").read_bytes() == (
-        folder / "model.safetensors"
-    ).read_bytes()
+    assert (pulled / "step-1" / "model.safetensors").read_bytes() == saved.read_bytes()
 
 
 @pytest.mark.slow
@@ -2661,20 +2628,12 @@ def test_over_tls_each_body_is_hashed_once_and_checked_by_the_store_all_the_same
     more to be signed: a whole SHA-256 pass over each file, beside the manifest's. Now such
     requests go as an unsigned payload: the store still checks every body (a damaged one is
     refused, its checkpoint not published), and what lands is byte for byte the file."""
-    from safetensors.torch import save_file
-
-    from ckpt_cli.storage.object_upload import SINGLE_PUT_MAX
 
     make_bucket(s3_tls_server.endpoint, BUCKET)
     s3_tls_server.checks_checksums = True
     out = trainer_run(tmp_path, steps=(100, 200))
     big = tmp_path / "big" / "step-1"
-    big.mkdir(parents=True)
-    save_file(
-        {"w": torch.arange(SINGLE_PUT_MAX // 4 + 10, dtype=torch.float32)}, big / "m.safetensors"
-    )
-    os.utime(big / "m.safetensors", (time.time() - 7200,) * 2)
-    os.utime(big, (time.time() - 7200,) * 2)  # a plain save: settled, not being written
+    _multipart_sized_save(big, "m.safetensors")
     s3_tls_server.corrupt = lambda r: r.method == "PUT" and r.path.endswith("200/optimizer.pt")
     first = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
     assert first.exit_code == 1, first.stdout
@@ -2701,3 +2660,22 @@ def test_over_tls_each_body_is_hashed_once_and_checked_by_the_store_all_the_same
         fetch_object(s3_tls_server.endpoint, BUCKET, "big/step-1/m.safetensors")
         == (big / "m.safetensors").read_bytes()
     )
+
+
+def _multipart_sized_save(folder: Path, name: str = "model.safetensors") -> Path:
+    """A plain save (settled: written two hours ago) of one safetensors file large enough to
+    go up as a multipart upload."""
+    from safetensors.torch import save_file
+
+    from ckpt_cli.storage.object_upload import SINGLE_PUT_MAX
+
+    folder.mkdir(parents=True)
+    save_file({"w": torch.arange(SINGLE_PUT_MAX // 4 + 10, dtype=torch.float32)}, folder / name)
+    os.utime(folder / name, (time.time() - 7200,) * 2)
+    os.utime(folder, (time.time() - 7200,) * 2)
+    return folder / name
+
+
+def _part_upload(r: S3Request) -> bool:
+    """A multipart upload's part."""
+    return r.method == "PUT" and "partNumber=" in r.query
