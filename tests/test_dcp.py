@@ -866,3 +866,14 @@ def test_every_dcp_problem_code_says_its_fix() -> None:
     codes = {code for code in CODES if code.startswith(("dcp_", "megatron_"))}
     assert codes <= set(PROBLEM_FIXES), codes - set(PROBLEM_FIXES)
     assert all(fix.endswith(".") for fix in PROBLEM_FIXES.values())
+
+
+def test_inspect_names_a_saved_set_by_its_python_3_type(tmp_path: Path) -> None:
+    """A set `dcp.save` pickled (protocol 2: `__builtin__.set`) showed as
+    `object:__builtin__.set`, a name no Python 3 reader uses; it is a `set`."""
+    ckpt = tmp_path / "ckpt"
+    dcp_save({"w": torch.ones(2), "seen": {1, 2}}, ckpt)
+    result = run_ckpt("inspect", ckpt, "--json")
+    assert result.exit_code == 0, result.stderr
+    (entry,) = [e for e in result.json["result"]["entries"] if e["name"] == "seen"]
+    assert entry["py_type"] == "set", entry

@@ -9,6 +9,7 @@ declares (`peek_saved_tensor`), the keys of Megatron's `common.pt` (`peek_saved_
 from __future__ import annotations
 
 import io
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -84,6 +85,12 @@ class _PlainUnpickler(BudgetedUnpickler):
     container holding them (a tuple of tensors) is named by its own type."""
 
     def find_class(self, module: str, name: str) -> Any:
+        # `torch.save` pickles with protocol 2, which names Python 3's builtins after Python
+        # 2's (`__builtin__.set`): mapped back as Python's own unpickler maps them
+        if (module, name) in NAME_MAPPING:
+            module, name = NAME_MAPPING[(module, name)]
+        elif module in IMPORT_MAPPING:
+            module = IMPORT_MAPPING[module]
         plain = _PLAIN_GLOBALS.get((module, name))
         if plain is not None:
             return plain
@@ -296,6 +303,12 @@ class _StructureUnpickler(BudgetedUnpickler):
     instance comes back as a `_Stub` naming what it would have been."""
 
     def find_class(self, module: str, name: str) -> Any:
+        # `torch.save` pickles with protocol 2, which names Python 3's builtins after Python
+        # 2's (`__builtin__.set`): mapped back as Python's own unpickler maps them
+        if (module, name) in NAME_MAPPING:
+            module, name = NAME_MAPPING[(module, name)]
+        elif module in IMPORT_MAPPING:
+            module = IMPORT_MAPPING[module]
         plain = _PLAIN_GLOBALS.get((module, name))
         if plain is not None and plain in (dict, set, frozenset, _latin1_encode):
             return plain
