@@ -920,18 +920,20 @@ def test_a_save_ckpt_may_not_read_is_a_permission_error_naming_the_file_never_in
 
 
 @pytest.mark.parametrize(
-    "state",
+    ("state", "step"),
     [
-        {"global_step": "200", "best_metric": "NaN"},  # strings where numbers belong
-        {"global_step": [200], "best_metric": 10**400},  # a list; an int past a float's range
+        ({"best_metric": "NaN"}, "200"),  # strings where numbers belong
+        ({"best_metric": 10**400}, [200]),  # an int past a float's range; a list
     ],
 )
 def test_a_trainer_state_with_values_of_the_wrong_type_is_no_internal_error(
-    tmp_path: Path, state: dict[str, object]
+    tmp_path: Path, state: dict[str, object], step: object
 ) -> None:
-    """A hand-edited (or hostile) `trainer_state.json` whose step or metric is no number says
-    nothing of them: `latest`, `prune` and `inspect` judge the run as before (0.1.x: exit 70,
-    "could not convert string to float")."""
+    """A hand-edited (or hostile) `trainer_state.json` whose metric or step is no number is
+    no internal error (0.1.x: exit 70, "could not convert string to float"). Its metrics say
+    nothing: `latest`, `prune` and `inspect` judge the run as before. A `global_step` that is
+    no count of steps makes the save incomplete (the Trainer's resume divides it by the steps
+    of an epoch: a TypeError), so `latest` names the save before it."""
     out = trainer_run(tmp_path, steps=(100, 200))
     path = out / "checkpoint-200" / "trainer_state.json"
     doc = json.loads(path.read_text())
@@ -947,6 +949,14 @@ def test_a_trainer_state_with_values_of_the_wrong_type_is_no_internal_error(
     prune = run_ckpt("prune", out, "--keep-last", "1", "--keep-best", "eval_loss", "--json")
     assert prune.exit_code == 3, prune.stdout  # no value of eval_loss is a number
     assert "no value of 'eval_loss'" in prune.json["error"]["message"]
+    doc["global_step"] = step
+    path.write_text(json.dumps(doc))
+    latest = run_ckpt_process("latest", out)
+    assert latest.exit_code == 0, latest.stderr
+    assert latest.stdout == f"{out / 'checkpoint-100'}\n"
+    verified = run_ckpt("verify", out / "checkpoint-200", "--json")
+    assert verified.exit_code == 1, verified.stdout
+    assert [p["code"] for p in verified.json["result"]["problems"]] == ["unreadable_component"]
 
 
 def test_a_metrics_line_nested_past_pythons_limit_is_a_usage_error_naming_it(

@@ -308,3 +308,23 @@ def test_a_truncated_weights_file_is_named_not_called_deleted(
     assert "ckpt repair" in unreadable[0]["fix"]
     assert run_ckpt("repair", folder).exit_code == 0
     assert run_ckpt("verify", folder, "--checksums").exit_code == 0
+
+
+def test_a_trainer_state_whose_global_step_is_no_count_fails_verify_and_is_no_latest(
+    trainer_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A real Trainer save whose `trainer_state.json` records `global_step: "ten"` (a garbled
+    or hand-edited file): `TrainerState.load_from_json` takes it, and the resume cannot count
+    from it. `verify` said OK and `resumable: yes`, and `latest` named the save."""
+    run = shutil.copytree(trainer_runs["full"], tmp_path / "run")
+    state = run / "checkpoint-2" / "trainer_state.json"
+    doc = json.loads(state.read_text())
+    doc["global_step"] = "ten"
+    state.write_text(json.dumps(doc))
+    result = run_ckpt("verify", run / "checkpoint-2", "--json")
+    assert result.exit_code == 1, result.stdout
+    problems = result.json["result"]["problems"]
+    assert [(p["code"], p["file"]) for p in problems] == [("unreadable_component", str(state))]
+    assert "global_step 'ten'" in problems[0]["message"]
+    latest = run_ckpt("latest", run, "--json")
+    assert latest.json["result"]["latest"] == str(run / "checkpoint-1"), latest.stdout

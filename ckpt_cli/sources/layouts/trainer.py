@@ -399,13 +399,14 @@ def _foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
     records (`checkpoint-{global_step}`), and `resume_from_checkpoint` restarts at that step,
     skipping that many batches, with the optimizer and scheduler of the folder's files: a
     `checkpoint-N` whose file records another step holds another save's file (or the folder
-    was renamed), and no resume from it is the run it continues. A file that does not parse
-    is the component check's to report."""
+    was renamed), and no resume from it is the run it continues. A `global_step` that is no
+    count of steps (`"ten"`, -1), in any Trainer save, is no resume at all. A file that does not
+    parse is the component check's to report."""
     import json
 
     name = source.location.raw.rstrip("/").rsplit("/", 1)[-1]
     match = Trainer.step_folder.fullmatch(name)
-    if match is None or not folder.has("trainer_state.json"):
+    if not folder.has("trainer_state.json"):
         return []
     rel = folder.rel("trainer_state.json")
     if source.storage.size(rel) > 64 << 20:
@@ -415,7 +416,21 @@ def _foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
     except (UnicodeDecodeError, ValueError, RecursionError):
         return []
     step = doc.get("global_step") if isinstance(doc, dict) else None
-    if not isinstance(step, int) or isinstance(step, bool) or step == int(match.group(1)):
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        # `TrainerState.load_from_json` takes any value; the resume then divides it by the
+        # steps of an epoch and skips that many batches
+        return [
+            Problem(
+                code="unreadable_component",
+                message=f"records global_step {step!r}, not a count of steps: the Trainer's "
+                "`resume_from_checkpoint` cannot restart from it",
+                file=source.storage.describe(rel),
+                fix="Put back the trainer_state.json written with this save (from a copy of the "
+                "checkpoint), or resume from another checkpoint of the run (`ckpt latest "
+                "RUN_DIR` names the newest whole one).",
+            )
+        ]
+    if match is None or not isinstance(step, int) or step == int(match.group(1)):
         return []
     return [
         Problem(
