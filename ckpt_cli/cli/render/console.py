@@ -17,8 +17,9 @@ from .terminal import UNWRAPPED_WIDTH, closed_pipe_exit, safe_text
 #: the words of ckpt's own markup tags (`[bold]`, `[bold red]`, `[dim]`, `[/]`...)
 STYLE_WORDS = ("bold", "dim", "italic", "underline", "red", "green", "yellow", "cyan", "magenta")
 _OWN_TAG = re.compile(rf"/?(?:(?:{'|'.join(STYLE_WORDS)})(?: (?:{'|'.join(STYLE_WORDS)}))*)?")
-#: spaces at the end of a line, before its style's reset code where colour is on
-_TRAILING_SPACES = re.compile(r" +((?:\x1b\[0m)?)(?=\n|\Z)")
+#: spaces at the end of a line (before its newline: a print may end mid-line, `end=""`), before
+#: its style's reset code where colour is on
+_TRAILING_SPACES = re.compile(r" +((?:\x1b\[0m)?)(?=\n)")
 #: what rich's markup parser takes for a tag (`rich.markup.RE_TAGS`)
 _TAG = re.compile(r"(\\*)\[([a-z#/@][^\[]*?)\]")
 
