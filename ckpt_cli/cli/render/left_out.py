@@ -1,7 +1,7 @@
 """What an output does not hold, said one way by every command that writes one (`convert`,
-`reshard`, `merge`): on stderr, each file under "not in the output:" (a sub-folder's files left
-out for one reason on one line), then the entries left out by reason; never among the data on
-stdout."""
+`reshard`, `merge`): on stderr, each file under "not in the output:" (past three files of a
+sub-folder left out for one reason, one line for the folder), then the entries left out by
+reason; never among the data on stdout."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from . import one_line, stderr
 
 #: files, and groups of entries, named one by one; past that, counted
 MAX_LISTED = 8
+#: a sub-folder's files left out for one reason are named one by one up to this many, past
+#: that one line for the folder
+GROUPED_FROM = 3
 
 
 def render_not_in_output(skipped: Sequence[SkippedEntry]) -> None:
@@ -25,15 +28,21 @@ def render_not_in_output(skipped: Sequence[SkippedEntry]) -> None:
             folder = item.name.split("/", 1)[0] + "/" if "/" in item.name else item.name
             lines.setdefault((folder, item.reason), []).append(item.name)
     shown = [
-        (f"{one_line(folder)} ({len(names)} files)" if len(names) > 1 else one_line(names[0]))
-        + f": {reason}"
+        f"{one_line(folder)} ({len(names)} files): {reason}"
+        if len(names) > GROUPED_FROM
+        else f"{one_line(name)}: {reason}"
         for (folder, reason), names in lines.items()
+        for name in (names[:1] if len(names) > GROUPED_FROM else names)
     ]
     for line in shown[:MAX_LISTED]:
         stderr.print(f"[yellow]not in the output:[/] {line}", highlight=False)
     if len(shown) > MAX_LISTED:
-        rest = sum(len(names) for names in list(lines.values())[MAX_LISTED:])
-        stderr.print(f"[yellow]… {rest} more files not in the output[/]")
+        counts = [
+            len(names) if len(names) > GROUPED_FROM else 1
+            for names in lines.values()
+            for _ in (names[:1] if len(names) > GROUPED_FROM else names)
+        ]
+        stderr.print(f"[yellow]… {sum(counts[MAX_LISTED:])} more files not in the output[/]")
     by_reason: dict[str, list[SkippedEntry]] = {}
     for entry in skipped:
         if entry.kind != "file":
