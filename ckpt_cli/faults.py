@@ -22,12 +22,12 @@ import threading
 from collections.abc import Callable
 from pathlib import PurePath
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from .errors import HubError, HungUp, Interrupted, IOFailure, Terminated
 
 if TYPE_CHECKING:  # a metadata command never imports the pools (tests/test_startup.py)
-    from concurrent.futures import Executor
+    from concurrent.futures import Executor, Future
 
 #: the signal that stopped this process, once one arrived (SIGINT included)
 received: int | None = None
@@ -159,6 +159,25 @@ class HeldStopSignals:
         if self.arrived is not None:
             arrived, self.arrived = self.arrived, None
             signal.raise_signal(arrived)
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def submit_tracked(
+    pool: Executor, work: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs
+) -> Future[_T]:
+    """`pool.submit(work, …)` with the stop signals held while it runs. A thread pool starts
+    its worker threads inside `submit`, and counts a thread only once it has started: a
+    Ctrl-C landing in between left a worker the pool did not know, one `shutdown(wait=True)`
+    did not wait for, so a cleanup ran while that worker's upload was still on its way (and
+    landed after it). Held, the signal is raised as `submit` returns, every worker counted."""
+    held = HeldStopSignals()
+    try:
+        return pool.submit(work, *args, **kwargs)
+    finally:
+        held.release()
 
 
 def close_pool(pool: Executor) -> None:

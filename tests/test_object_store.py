@@ -6,6 +6,7 @@ published objects back and opening them with the real readers, bit-exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -527,10 +528,9 @@ def test_sequential_reads_are_served_by_the_read_ahead(
     assert local.exit_code == 0, local.stderr  # the remote digests match the local files
 
 
-def test_ctrl_c_during_the_upload_removes_everything(
-    sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server
-) -> None:
-    """A real process interrupted while its shards are on the way: exit 130, nothing left."""
+def _interrupted_convert(s3_server: S3Server, held: Callable[[S3Request], bool]) -> str:
+    """`ckpt convert s3://ckpts/run/model s3://ckpts/int/model`, a real process, sent SIGINT
+    while the store holds a request `held` picks; returns its stderr (after exit 130)."""
     import os
     import signal
     import subprocess
@@ -539,11 +539,7 @@ def test_ctrl_c_during_the_upload_removes_everything(
 
     from .conftest import REPO
 
-    # the shards' uploads, not the run's lease (a lease PUT in flight when Ctrl-C comes has a
-    # test of its own, below): this test interrupts the data upload itself
-    s3_server.slow = lambda r: (
-        r.method == "PUT" and ".ckpt-tmp-" in r.path and not r.path.endswith(".ckpt-lease")
-    )
+    s3_server.hold = held
     env = dict(os.environ, PYTHONPATH=str(REPO))
     args = ["s3://ckpts/run/model", "s3://ckpts/int/model", "--to", "safetensors"]
     proc = subprocess.Popen(
@@ -553,16 +549,108 @@ def test_ctrl_c_during_the_upload_removes_everything(
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 120
-    while not any(s3_server.slow(r) for r in list(s3_server.requests)):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the upload never started"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(held(r) for r in list(s3_server.requests)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the held request never came"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        # the run waits for its requests in flight before it cleans up: let the held one be
+        # answered once the signal has had time to land (landing later only moves the
+        # interruption to a later step, which must leave nothing either)
+        time.sleep(1)
+    finally:
+        s3_server.release.set()
+        s3_server.hold = None
     _, stderr = proc.communicate(timeout=120)
-    s3_server.slow = None
+    s3_server.wait_idle()
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
+    return stderr
+
+
+def test_ctrl_c_during_the_upload_removes_everything(
+    sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server
+) -> None:
+    """A real process interrupted while its shards are on the way: exit 130, nothing left."""
+
+    # the shards' uploads, not the run's lease (a lease PUT in flight when Ctrl-C comes has a
+    # test of its own, below): this test interrupts the data upload itself
+    def shard_upload(r: S3Request) -> bool:
+        return r.method == "PUT" and ".ckpt-tmp-" in r.path and r.path.endswith(".safetensors")
+
+    _interrupted_convert(s3_server, shard_upload)
+    assert list_keys(s3_server.endpoint, "ckpts", "int/") == []
+
+
+def test_ctrl_c_while_the_output_is_being_published_removes_what_was_published(
+    sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server
+) -> None:
+    """Interrupted while the uploaded shards are being copied into DEST (an object store has
+    no rename): the copies already made are removed too, not left as a DEST without its
+    index."""
+
+    def copy_into_place(r: S3Request) -> bool:
+        return r.method == "PUT" and r.path.startswith("/ckpts/int/model/")
+
+    _interrupted_convert(s3_server, copy_into_place)
+    assert list_keys(s3_server.endpoint, "ckpts", "int/") == []
+
+
+def test_a_signal_while_an_upload_worker_starts_still_waits_for_its_upload(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C that lands while the upload pool starts a worker thread (seen once in CI, under
+    load): the pool had started the thread but not yet counted it, so the cleanup did not
+    wait for its upload, removed the hidden prefix, and the upload landed after that, a
+    shard left in the bucket. Workers now start with the signal held; it is raised once the
+    pool knows them, and the cleanup waits for what they send."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from safetensors.torch import save_file
+
+    save_file(_model(), tmp_path / "w.safetensors")
+    make_bucket(s3_server.endpoint, "ckpts")
+    real_start = threading.Thread.start
+    interrupted = threading.Event()
+
+    def start_then_ctrl_c(thread: threading.Thread) -> None:
+        real_start(thread)
+        if thread.name.startswith("ckpt-upload") and not interrupted.is_set():
+            interrupted.set()
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # room for the OS to hand the signal over
+
+    # the upload that worker sends is held by the store: before the fix the run cleaned up
+    # and returned while it was held; after it, the run waits for it (released in a while)
+    s3_server.hold = lambda r: (
+        r.method == "PUT" and ".ckpt-tmp-" in r.path and r.path.endswith(".safetensors")
+    )
+    releaser = threading.Timer(3, s3_server.release.set)
+    monkeypatch.setattr(threading.Thread, "start", start_then_ctrl_c)
+    releaser.start()
+    try:
+        result = run_ckpt(
+            "convert",
+            tmp_path / "w.safetensors",
+            "s3://ckpts/int/model",
+            "--to",
+            "safetensors",
+            "--max-shard-size",
+            "100KB",
+        )
+    finally:
+        monkeypatch.undo()
+        s3_server.release.set()
+        releaser.cancel()
+    s3_server.hold = None
+    s3_server.wait_idle()
+    assert interrupted.is_set()
+    assert result.exit_code == 130, result.stderr
     assert list_keys(s3_server.endpoint, "ckpts", "int/") == []
 
 

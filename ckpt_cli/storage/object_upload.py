@@ -48,7 +48,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from .. import faults
-from ..faults import close_pool, io_failure, naming
+from ..faults import close_pool, io_failure, naming, submit_tracked
 from .crc import crc32_function
 from .remote import UPLOAD_BLOCK
 from .remote_replies import refusal_code
@@ -577,8 +577,15 @@ class ObjectUploader:
                     )
                     if not checks and crc_anyway:
                         check["ChecksumCRC32"] = _crc32(block)
-                    future = self._parts_pool().submit(
-                        self._part, bucket, key, upload_id, len(futures) + 1, block, check
+                    future = submit_tracked(
+                        self._parts_pool(),
+                        self._part,
+                        bucket,
+                        key,
+                        upload_id,
+                        len(futures) + 1,
+                        block,
+                        check,
                     )
                 except BaseException:
                     self._release(held)

@@ -52,7 +52,14 @@ from ..errors import (
     NotFoundError,
     UsageError,
 )
-from ..faults import HeldStopSignals, interruption, io_failure, note_published, notice
+from ..faults import (
+    HeldStopSignals,
+    interruption,
+    io_failure,
+    note_published,
+    notice,
+    submit_tracked,
+)
 from ..progress import NULL_PROGRESS, Progress
 from . import remote_failure
 from .base import TMP_MARKER as TMP_MARKER
@@ -749,7 +756,7 @@ def _in_parallel(work: Callable[[str], None], names: list[str]) -> None:
         return
     pool = ThreadPoolExecutor(PARALLEL_TRANSFERS, thread_name_prefix="ckpt-upload")
     try:
-        for future in [pool.submit(work, name) for name in names]:
+        for future in [submit_tracked(pool, work, name) for name in names]:
             future.result()
     except BaseException:
         # a failure or Ctrl-C: queued transfers never start; running ones finish before cleanup

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import FormatError, IOFailure
-from ...faults import close_pool, io_failure
+from ...faults import close_pool, io_failure, submit_tracked
 from ...formats.base import Source
 from ...formats.names import SAFETENSORS_SUFFIX, is_commit_marker
 from ...formats.safetensors.format import SafetensorsFormat
@@ -370,7 +370,7 @@ def fetch_files(repo: HubRepo, report: DownloadReport, progress: Progress) -> in
     progress.start(sum(f.size for f in report.files if f.status == "planned"), repo.repo_id)
     pool = ThreadPoolExecutor(max_workers=max(1, min(FETCH_WORKERS, len(report.files))))
     try:
-        futures = [pool.submit(fetch, info) for info in report.files]
+        futures = [submit_tracked(pool, fetch, info) for info in report.files]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for future in futures:
             if future in done and future.exception() is not None:

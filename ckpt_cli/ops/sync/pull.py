@@ -30,6 +30,7 @@ from ...faults import (
     io_failure,
     note_published,
     notice,
+    submit_tracked,
 )
 from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
@@ -336,7 +337,9 @@ def _download(
                 (
                     rel,
                     digest,
-                    pool.submit(_pull_file, storage, rel, size, target, digest, new, limit, stop),
+                    submit_tracked(
+                        pool, _pull_file, storage, rel, size, target, digest, new, limit, stop
+                    ),
                 )
                 for rel, size, target, digest in wanted
             ]

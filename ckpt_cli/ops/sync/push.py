@@ -15,7 +15,7 @@ from typing import Any
 
 from ... import __version__
 from ...errors import CkptError, FormatError, Interrupted, NotFoundError, UsageError
-from ...faults import close_pool, interruption, notice
+from ...faults import close_pool, interruption, notice, submit_tracked
 from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, RunReport, run_storage, scan_run
 from ...sources.runs.records import CHECKSUM_MANIFEST, SYNC_RECORD, checksum_manifest_of
 from ...storage import remote_failure
@@ -871,7 +871,8 @@ def _upload_round(
             if isinstance(plan, _Plan):
                 uploader.mark_destination()
                 waiting[c.name] = [
-                    pool.submit(uploader.send, plan, rel) for rel in uploader.data_files(plan)
+                    submit_tracked(pool, uploader.send, plan, rel)
+                    for rel in uploader.data_files(plan)
                 ]
         for item in done:
             if not isinstance(item, _Plan):
