@@ -263,6 +263,20 @@ def test_usage_errors_carry_a_fix_in_the_envelope(
     assert option in error["message"] and error["fix"], error
 
 
+def test_json_given_a_value_is_refused_in_the_envelope_it_asked_for(tmp_path: Path) -> None:
+    """`ckpt inspect M --json=yes` (a script's habit from other tools) was refused on stderr
+    alone: the script parsing stdout got nothing to parse. The refusal now comes as the one
+    envelope `--json` promises, exit 2."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    result = run_ckpt("inspect", tmp_path / "m.safetensors", "--json=yes")
+    assert result.exit_code == 2
+    error = result.json["error"]
+    assert error["code"] == "usage" and "--json" in error["message"], error
+
+
 def test_refusals_give_the_reason_that_fits_the_option_and_the_command(tmp_path: Path) -> None:
     """`verify --force` was refused "(checking uses the algorithm the manifest records)", the
     reason for --algo; `repair` of an empty folder said it "holds no files to protect"."""
@@ -633,7 +647,7 @@ def test_dest_dash_is_refused_rather_than_made_a_folder_named_dash(tmp_path: Pat
     ):
         result = run_ckpt_process(*args, "--json", cwd=tmp_path)
         assert result.exit_code == 2, result.stdout
-        error = json.loads(result.stdout)["error"]
+        error = result.json["error"]
         assert error["path"] == "-" and "standard output" in error["problem"], error
         assert "./-" in error["fix"]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]

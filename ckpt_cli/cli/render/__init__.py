@@ -36,8 +36,10 @@ def command_of(argv: list[str]) -> str | None:
 
 
 def json_requested(argv: list[str]) -> bool:
-    """Whether a command line asks for the JSON envelope (`--json` before any `--`)."""
-    return "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
+    """Whether a command line asks for the JSON envelope (`--json` before any `--`; also
+    `--json=VALUE`, a usage error whose envelope the caller's parser is waiting for)."""
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    return any(token == "--json" or token.startswith("--json=") for token in options)
 
 
 def emit_early_interruption(error: CkptError, argv: list[str]) -> None:
