@@ -75,7 +75,11 @@ def test_plan_deletes_nothing_and_says_why(tmp_path: Path) -> None:
     assert report["bytes_to_free"] == sizes["checkpoint-100"] + sizes["checkpoint-400"]
     human = run_ckpt("prune", out, "--keep-last", "1")
     assert "would delete 2 checkpoints" in human.stdout
-    assert "nothing was deleted" in human.stdout
+    assert "nothing was deleted (run again with --yes" in human.stdout
+    # `-n -y` (a dry run wins over --yes) was told to "run again with --yes"
+    both = run_ckpt("prune", out, "--keep-last", "1", "--dry-run", "--yes")
+    assert "would delete 2 checkpoints" in both.stdout
+    assert "--dry-run; leave it out" in both.stdout and "again with --yes" not in both.stdout
     assert tree(out) == before
 
 

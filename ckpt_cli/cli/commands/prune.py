@@ -190,7 +190,7 @@ def prune(
         "prune",
         json_output,
         prune_run,
-        render_prune_result,
+        lambda report: render_prune_result(report, dry_run=dry_run),
         exit_code,
         failure=lambda _report, _code: ProblemsFound(
             "some deletions failed",

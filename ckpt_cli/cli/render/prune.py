@@ -85,8 +85,9 @@ def render_run(report: RunReport) -> None:
         stdout.print(f"left out: {why}", soft_wrap=True, markup=False, highlight=False)
 
 
-def render_prune(report: PruneReport) -> None:
-    """Every checkpoint with its action and rule, then the bytes freed (or to free)."""
+def render_prune(report: PruneReport, *, dry_run: bool = False) -> None:
+    """Every checkpoint with its action and rule, then the bytes freed (or to free);
+    `dry_run`: the plan was asked for with `--dry-run` (with `--yes` too, perhaps)."""
     table = Table(box=None, pad_edge=False, show_edge=False)
     for column in ("checkpoint", "step", "status", "size", "action", "rule"):
         table.add_column(column, overflow="fold")
@@ -147,7 +148,10 @@ def render_prune(report: PruneReport) -> None:
                 f"checkpoint{'s' if report.to_delete != 1 else ''}, "
                 f"freeing {human_bytes(report.bytes_to_free)}"
             )
-        stdout.print("nothing was deleted (run again with --yes to delete)")
+        if dry_run:  # --yes may be there too: "run again with --yes" would not help
+            stdout.print("nothing was deleted (--dry-run; leave it out, with --yes, to delete)")
+        else:
+            stdout.print("nothing was deleted (run again with --yes to delete)")
     else:
         stdout.print("nothing to delete")
 
@@ -181,9 +185,9 @@ def render_watch(report: WatchReport) -> None:
     )
 
 
-def render_prune_result(report: PruneReport | WatchReport) -> None:
+def render_prune_result(report: PruneReport | WatchReport, *, dry_run: bool = False) -> None:
     """A plan or its deletions; for `--watch`, the closing summary."""
     if isinstance(report, WatchReport):
         render_watch(report)
     else:
-        render_prune(report)
+        render_prune(report, dry_run=dry_run)
