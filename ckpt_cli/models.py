@@ -628,7 +628,8 @@ class OptimizerState(Record):
     """What an optimizer state holds.
 
     Attributes:
-        kind: optimizer class when recorded (AdamW...), else guessed from its state names.
+        kind: optimizer class when recorded (AdamW...), else guessed from its state names;
+            several optimizers of different kinds are named in order (`AdamW + SGD`).
         states: per-parameter state names (`exp_avg`, `exp_avg_sq`, `step`...).
         params: number of parameters the optimizer's param groups cover.
         params_with_state: how many of those have per-parameter state.

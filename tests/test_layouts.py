@@ -918,6 +918,42 @@ assert all(torch.equal(fresh[3].state_dict()["state"][3][k], v) for k, v in save
 """
 
 
+_ACCELERATE_TWO_KINDS = """
+import sys
+import torch
+from accelerate import Accelerator
+
+acc = Accelerator(cpu=True)
+generator, critic = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+g_opt = torch.optim.AdamW(generator.parameters())
+c_opt = torch.optim.SGD(critic.parameters(), lr=0.1, momentum=0.9)
+generator, critic, g_opt, c_opt = acc.prepare(generator, critic, g_opt, c_opt)
+for _ in range(2):
+    acc.backward(generator(torch.ones(1, 4)).sum() + critic(torch.ones(1, 4)).sum())
+    g_opt.step()
+    c_opt.step()
+acc.save_state(sys.argv[1])
+"""
+
+
+def test_two_optimizers_of_different_kinds_are_each_named(tmp_path: Path) -> None:
+    """A GAN's accelerate save: an AdamW for the generator, SGD with momentum for the critic
+    (`optimizer.bin`, `optimizer_1.bin`). `inspect` called their state "unknown", as if
+    neither could be told; each is now named, in order."""
+    import subprocess
+
+    save = tmp_path / "step_2"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", _ACCELERATE_TWO_KINDS, str(save)]
+    ran = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert {"optimizer.bin", "optimizer_1.bin"} <= {p.name for p in save.iterdir()}
+    training = run_ckpt("inspect", save, "--json").json["result"]["training"]
+    assert training["optimizer"]["kind"] == "AdamW + SGD"
+    assert training["optimizer"]["complete"] is True
+    assert "AdamW + SGD:" in run_ckpt("inspect", save).stdout
+
+
 def test_several_models_with_one_optimizer_or_none_are_resumable(tmp_path: Path) -> None:
     """accelerate numbers prepared models and optimizers apart: one AdamW stepping an encoder
     and a decoder (`optimizer.bin` beside `model.safetensors` and `model_1.safetensors`), a

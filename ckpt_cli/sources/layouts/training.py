@@ -396,8 +396,11 @@ def _combined_optimizers(views: list[OptimizerState | None]) -> OptimizerState |
     found = [v for v in views if v is not None]
     if not found:
         return None
+    # one kind when they agree, else each named in order (`AdamW + SGD`: a GAN's two); one
+    # that cannot be told spoils nothing of the others' names
+    kinds = list(dict.fromkeys(v.kind or "unknown" for v in found))
     return OptimizerState(
-        kind=found[0].kind if all(v.kind == found[0].kind for v in found) else None,
+        kind=None if kinds == ["unknown"] else " + ".join(kinds),
         states=sorted({s for v in found for s in v.states}),
         params=sum(v.params or 0 for v in found),
         params_with_state=sum(v.params_with_state or 0 for v in found),
