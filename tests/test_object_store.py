@@ -6,6 +6,11 @@ published objects back and opening them with the real readers, bit-exact.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 
-from .conftest import run_ckpt
+from .conftest import REPO, run_ckpt
 from .hub_fixtures import publish_model
 from .hub_server import TestHub
 from .run_fixtures import trainer_checkpoint, weights
@@ -478,7 +483,6 @@ def test_sequential_reads_are_served_by_the_read_ahead(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Data reads fetch the next window in the background; every byte still comes out right."""
-    import os
 
     import s3fs
 
@@ -528,33 +532,36 @@ def test_sequential_reads_are_served_by_the_read_ahead(
     assert local.exit_code == 0, local.stderr  # the remote digests match the local files
 
 
-def _interrupted_convert(s3_server: S3Server, held: Callable[[S3Request], bool]) -> str:
-    """`ckpt convert s3://ckpts/run/model s3://ckpts/int/model`, a real process, sent SIGINT
-    while the store holds a request `held` picks; returns its stderr (after exit 130)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from .conftest import REPO
-
+def _convert_until_held(
+    s3_server: S3Server, held: Callable[[S3Request], bool], *args: str | Path
+) -> subprocess.Popen[str]:
+    """`ckpt convert ARGS…` started as a real process; returns once the store holds the
+    request `held` picks (it stays held until `s3_server.release` is set)."""
     s3_server.hold = held
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    args = ["s3://ckpts/run/model", "s3://ckpts/int/model", "--to", "safetensors"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_cli", "convert", *args, "--max-shard-size", "100KB"],
+        [sys.executable, "-m", "ckpt_cli", "convert", *map(str, args)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    deadline = time.monotonic() + 120
+    while not any(held(r) for r in list(s3_server.requests)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            s3_server.release.set()
+            proc.kill()
+            raise AssertionError(f"the held request never came: {proc.communicate()}")
+        time.sleep(0.05)
+    return proc
+
+
+def _interrupted_convert(s3_server: S3Server, held: Callable[[S3Request], bool]) -> str:
+    """`ckpt convert s3://ckpts/run/model s3://ckpts/int/model`, a real process, sent SIGINT
+    while the store holds a request `held` picks; returns its stderr (after exit 130)."""
+    args = ["s3://ckpts/run/model", "s3://ckpts/int/model", "--to", "safetensors"]
+    proc = _convert_until_held(s3_server, held, *args, "--max-shard-size", "100KB")
     try:
-        deadline = time.monotonic() + 120
-        while not any(held(r) for r in list(s3_server.requests)):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the held request never came"
-            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         # the run waits for its requests in flight before it cleans up: let the held one be
         # answered once the signal has had time to land (landing later only moves the
@@ -606,10 +613,7 @@ def test_a_signal_while_an_upload_worker_starts_still_waits_for_its_upload(
     wait for its upload, removed the hidden prefix, and the upload landed after that, a
     shard left in the bucket. Workers now start with the signal held; it is raised once the
     pool knows them, and the cleanup waits for what they send."""
-    import os
-    import signal
     import threading
-    import time
 
     from safetensors.torch import save_file
 
@@ -692,15 +696,8 @@ def test_the_next_run_removes_the_temporaries_of_a_sigkilled_upload(
     """`ckpt convert … s3://` killed (SIGKILL) while a 24 MiB shard is going up as a multipart
     upload leaves its hidden prefix and the unfinished upload in the bucket (billed storage, for
     ever). The next run writing the same DEST finds them, removes them and says so."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
 
     from safetensors.torch import save_file
-
-    from .conftest import REPO
 
     state = {"big": torch.arange(6 << 20, dtype=torch.float32), "small": torch.ones(3)}
     save_file(state, tmp_path / "big.safetensors")
@@ -709,22 +706,9 @@ def test_the_next_run_removes_the_temporaries_of_a_sigkilled_upload(
     def part(r: S3Request) -> bool:
         return r.method == "PUT" and "partNumber=" in r.query and ".ckpt-tmp-" in r.path
 
-    s3_server.hold = part
-    env = dict(os.environ, PYTHONPATH=str(REPO))
     args = [tmp_path / "big.safetensors", "s3://ckpts/exports/model", "--to", "safetensors"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_cli", "convert", *map(str, args)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _convert_until_held(s3_server, part, *args)
     try:
-        deadline = time.monotonic() + 120
-        while not any(part(r) for r in list(s3_server.requests)):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the multipart upload never started"
-            time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)
     finally:
@@ -761,7 +745,6 @@ def test_the_temporaries_of_a_live_run_are_left_alone(s3_server: S3Server, tmp_p
     multipart upload are kept, whether it runs here (its process alive) or on another machine
     (its lease renewed within the last minutes)."""
     import json
-    import os
 
     import boto3
 
@@ -793,7 +776,6 @@ def test_the_temporaries_of_a_live_run_are_left_alone(s3_server: S3Server, tmp_p
 
 
 def test_a_lease_is_dead_once_its_process_is_gone_here_or_its_renewal_too_old() -> None:
-    import os
 
     from ckpt_cli.storage.object_leases import LEASE_EXPIRY, machine_id, run_is_gone
 
@@ -853,7 +835,6 @@ def test_an_object_replaced_between_listing_and_reading_is_refused_not_mixed(
     as the old tensors: each ranged read names the version listed (its ETag), and a changed
     object is a clear failure naming it (exit 5), with nothing published."""
     import threading
-    import time
 
     import boto3
     from safetensors.torch import save_file
@@ -943,13 +924,6 @@ def test_ctrl_c_while_the_lease_is_being_written_leaves_no_lease_behind(
     that: a `.ckpt-lease` object was left in the bucket until the next run writing that DEST
     removed it. The cleanup now waits (a few seconds at most) for the write in flight and
     removes what it left."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from .conftest import REPO
 
     torch.save(_model(), tmp_path / "w.pt")
     make_bucket(s3_server.endpoint, "ckpts")
@@ -957,22 +931,10 @@ def test_ctrl_c_while_the_lease_is_being_written_leaves_no_lease_behind(
     def is_lease_put(r: S3Request) -> bool:
         return r.method == "PUT" and r.path.endswith("/.ckpt-lease")
 
-    s3_server.hold = is_lease_put
-    env = dict(os.environ, PYTHONPATH=str(REPO))
     args = [tmp_path / "w.pt", "s3://ckpts/exports/model", "--to", "safetensors"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_cli", "convert", *map(str, args)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _convert_until_held(s3_server, is_lease_put, *args)
     try:
         deadline = time.monotonic() + 120
-        while not any(is_lease_put(r) for r in list(s3_server.requests)):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the lease was never written"
-            time.sleep(0.05)
         seen = len(s3_server.requests)
         proc.send_signal(signal.SIGINT)
         # the run's cleanup looks for its hidden prefix: only then does the held PUT land
