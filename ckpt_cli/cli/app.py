@@ -176,6 +176,10 @@ def run_command(
     render.envelope_started = False
     try:
         result = action()
+        if faults.unanswered_stop():
+            # a signal swallowed on its way (importing torch catches and drops one now and
+            # then): the command was stopped, whatever the work that went on made of it
+            raise faults.interruption()
         # the outputs are published, or the result is one `--json` envelope: a signal while
         # the report prints is held, and the command ends as it would have (a second one stops
         # the printing). A command that wrote nothing stops as usual while it prints for people
