@@ -654,3 +654,34 @@ def test_dest_dash_is_refused_rather_than_made_a_folder_named_dash(tmp_path: Pat
     meant = run_ckpt_process("convert", "model.pt", "./-", "--to", "safetensors", cwd=tmp_path)
     assert meant.exit_code == 0, meant.stderr
     assert (tmp_path / "-" / "model.safetensors").is_file()
+
+
+def test_a_format_fix_names_the_option_the_command_takes(tmp_path: Path) -> None:
+    """`diff` reads each side with --format-a / --format-b, yet a side it could not read as
+    told (or a folder of two formats) said "pass --format safetensors", which diff refuses as
+    no such option; `protect`, which takes no --format, said the same. Each names what works."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": torch.ones(2, 2)}, model / "model.safetensors")
+    both = tmp_path / "both"
+    assert run_ckpt("convert", model, both, "--to", "dcp").exit_code == 0
+    save_file({"w": torch.ones(2, 2)}, both / "model.safetensors")  # a second format beside
+
+    wrong = run_ckpt("diff", model, model, "--format-a", "dcp")
+    assert wrong.exit_code == 4
+    assert "--format-a safetensors" in wrong.stderr and "--format " not in wrong.stderr
+    assert run_ckpt("diff", model, model, "--format-a", "safetensors").exit_code == 0
+
+    for side, args in (("--format-a", [both, model]), ("--format-b", [model, both])):
+        told = run_ckpt("diff", *args, "--json")
+        assert told.exit_code == 4
+        fix = told.json["error"]["fix"]
+        assert fix.startswith(f"Pass {side} to say which one to read"), fix
+        assert run_ckpt("diff", *args, side, "safetensors").exit_code == 0
+
+    protect = run_ckpt("protect", both, "--dry-run")
+    assert protect.exit_code == 4
+    assert "move the other format's files out of the folder" in protect.stderr
