@@ -685,3 +685,25 @@ def test_a_format_fix_names_the_option_the_command_takes(tmp_path: Path) -> None
     protect = run_ckpt("protect", both, "--dry-run")
     assert protect.exit_code == 4
     assert "move the other format's files out of the folder" in protect.stderr
+
+
+def test_a_file_read_as_another_format_is_named_for_what_it_is(tmp_path: Path) -> None:
+    """`--format gguf` on a torch.save file said the file was "truncated or corrupt; download
+    it again", and `--format dcp` on any file read the folder around it, every .distcp file
+    below it counted: "has 4 .distcp file(s) but no .metadata: the save looks interrupted".
+    Each now says the file is not that format (what it is, where known), as safetensors and
+    torch do, with the fix that works: leave --format out."""
+    import torch
+
+    weights = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(2)}, weights)
+    save = tmp_path / "step-1"  # a DCP save beside it, whose .distcp files are not the file's
+    assert run_ckpt("convert", weights, save, "--to", "dcp").exit_code == 0
+    for fmt, said in (("gguf", "is not a GGUF file: it is a ZIP archive"), ("dcp", "is not a DCP")):
+        result = run_ckpt("inspect", weights, "--format", fmt, "--json")
+        assert result.exit_code == 4, result.stdout + result.stderr
+        error = result.json["error"]
+        assert error["path"] == str(weights) and said in error["problem"], error
+        assert "download it again" not in error["message"] and "interrupted" not in error["problem"]
+        assert "Leave out --format" in error["fix"] or "pass --format" in error["fix"]
+    assert run_ckpt("inspect", weights).exit_code == 0
