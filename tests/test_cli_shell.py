@@ -707,3 +707,21 @@ def test_a_file_read_as_another_format_is_named_for_what_it_is(tmp_path: Path) -
         assert "download it again" not in error["message"] and "interrupted" not in error["problem"]
         assert "Leave out --format" in error["fix"] or "pass --format" in error["fix"]
     assert run_ckpt("inspect", weights).exit_code == 0
+
+
+def test_latest_with_json_still_says_on_stderr_why_there_is_none(tmp_path: Path) -> None:
+    """With --json, errors still go to stderr (docs/json-output.md), and every other exit 3
+    did; `ckpt latest out/ --json` finding no complete checkpoint said nothing there, so a
+    job log showed a failed resume script without its reason. The problems `verify` lists
+    (exit 1) are its report, and stay in the envelope alone."""
+    run_dir = tmp_path / "out"
+    run_dir.mkdir()
+    result = run_ckpt("latest", run_dir, "--json")
+    assert result.exit_code == 3
+    assert result.json["error"]["code"] == "no_checkpoint"
+    assert result.stderr.startswith("ckpt latest: error: ") and str(run_dir) in result.stderr
+    assert result.stderr.count("\n") == 1
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"garbage")
+    verified = run_ckpt("verify", bad, "--json")
+    assert verified.exit_code == 1 and verified.stderr == ""

@@ -256,6 +256,10 @@ def _render(
             if code:
                 found = failure(result, code) if failure else _problems_found(command, code)
             render.emit_json(command, result, code, found)
+            if found is not None and code != 1:
+                # an error (`latest` finding no complete checkpoint: exit 3), not the problems
+                # a report lists (exit 1): on stderr too, as every other error of a --json run
+                render.emit_error(command, found, False, exit_code=code)
         else:
             render_human(result)
             # a report's `warnings` (options that had no effect...) go to stderr, any command
