@@ -2240,3 +2240,25 @@ def test_a_signal_swallowed_in_a_watch_round_stops_the_watch(
     report = json.loads(result.stdout)["result"]
     assert report["stopped"] == "interrupted" and report["iterations"] == 1
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint-3"]
+
+
+def test_a_signal_swallowed_in_a_sync_watch_round_stops_the_watch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sync --watch` as `prune --watch` above: the round whose signal was swallowed is the
+    last one, and the watch ends as Ctrl-C ends it."""
+    from ckpt_cli import faults
+    from ckpt_cli.ops import sync as sync_ops
+
+    run_dir = tmp_path / "run"
+    trainer_checkpoint(run_dir / "checkpoint-1", 1)
+    monkeypatch.setattr(faults, "received", None)
+    monkeypatch.setattr(sync_ops, "sync_up", _swallowing_a_signal(sync_ops.sync_up))
+    result = run_ckpt(
+        "sync", run_dir, "memory://ckpts/swallowed", "--settle", "0", "--json",
+        "--watch", "1", "--max-iterations", "3",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)["result"]
+    assert report["stopped"] == "interrupted" and report["iterations"] == 1
+    assert report["transferred"] == ["checkpoint-1"]
