@@ -636,7 +636,6 @@ def test_dest_dash_is_refused_rather_than_made_a_folder_named_dash(tmp_path: Pat
     a shell, but ckpt made a folder named `-` in the working directory and printed its report
     down the pipe, exit 0. DEST `-` is refused (exit 2, nothing written); `./-` still names
     such a folder on purpose."""
-    import json
 
     import torch
 
