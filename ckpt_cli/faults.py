@@ -32,6 +32,10 @@ if TYPE_CHECKING:  # a metadata command never imports the pools (tests/test_star
 #: the signal that stopped this process, once one arrived (SIGINT included)
 received: int | None = None
 
+#: the stop signal the operation itself caught and answered (a `--watch` loop that ends
+#: cleanly on Ctrl-C): the command's result then stands (see `answer_stop`)
+answered: int | None = None
+
 #: the outputs a CLI command published complete so far (None outside a command: a library
 #: caller such as a training loop saving for hours keeps no list): an interruption that comes
 #: after them says they are whole, never that they were removed
@@ -52,8 +56,24 @@ def notice(message: str) -> None:
 
 def begin_command() -> None:
     """Start a command's record of published outputs (`note_published`)."""
-    global published
+    global published, answered
     published = []
+    answered = None
+
+
+def answer_stop() -> None:
+    """Say that the stop signal received was caught and answered by the operation (a `--watch`
+    loop that stops cleanly, its result reporting `stopped: interrupted`). Any other signal
+    received by a command that then returns was swallowed on its way (importing torch catches
+    and drops one now and then) and still ends the command with its exit code."""
+    global answered
+    answered = received
+
+
+def unanswered_stop() -> bool:
+    """Whether a stop signal came that nothing raised through or answered: one swallowed by
+    code that catches every exception (torch's import does, now and then)."""
+    return received is not None and answered is None
 
 
 def note_published(path: str | PurePath) -> None:

@@ -636,7 +636,6 @@ def test_dest_dash_is_refused_rather_than_made_a_folder_named_dash(tmp_path: Pat
     a shell, but ckpt made a folder named `-` in the working directory and printed its report
     down the pipe, exit 0. DEST `-` is refused (exit 2, nothing written); `./-` still names
     such a folder on purpose."""
-    import json
 
     import torch
 
@@ -654,3 +653,74 @@ def test_dest_dash_is_refused_rather_than_made_a_folder_named_dash(tmp_path: Pat
     meant = run_ckpt_process("convert", "model.pt", "./-", "--to", "safetensors", cwd=tmp_path)
     assert meant.exit_code == 0, meant.stderr
     assert (tmp_path / "-" / "model.safetensors").is_file()
+
+
+def test_a_format_fix_names_the_option_the_command_takes(tmp_path: Path) -> None:
+    """`diff` reads each side with --format-a / --format-b, yet a side it could not read as
+    told (or a folder of two formats) said "pass --format safetensors", which diff refuses as
+    no such option; `protect`, which takes no --format, said the same. Each names what works."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": torch.ones(2, 2)}, model / "model.safetensors")
+    both = tmp_path / "both"
+    assert run_ckpt("convert", model, both, "--to", "dcp").exit_code == 0
+    save_file({"w": torch.ones(2, 2)}, both / "model.safetensors")  # a second format beside
+
+    wrong = run_ckpt("diff", model, model, "--format-a", "dcp")
+    assert wrong.exit_code == 4
+    assert "--format-a safetensors" in wrong.stderr and "--format " not in wrong.stderr
+    assert run_ckpt("diff", model, model, "--format-a", "safetensors").exit_code == 0
+
+    for side, args in (("--format-a", [both, model]), ("--format-b", [model, both])):
+        told = run_ckpt("diff", *args, "--json")
+        assert told.exit_code == 4
+        fix = told.json["error"]["fix"]
+        assert fix.startswith(f"Pass {side} to say which one to read"), fix
+        assert run_ckpt("diff", *args, side, "safetensors").exit_code == 0
+
+    protect = run_ckpt("protect", both, "--dry-run")
+    assert protect.exit_code == 4
+    assert "move the other format's files out of the folder" in protect.stderr
+
+
+def test_a_file_read_as_another_format_is_named_for_what_it_is(tmp_path: Path) -> None:
+    """`--format gguf` on a torch.save file said the file was "truncated or corrupt; download
+    it again", and `--format dcp` on any file read the folder around it, every .distcp file
+    below it counted: "has 4 .distcp file(s) but no .metadata: the save looks interrupted".
+    Each now says the file is not that format (what it is, where known), as safetensors and
+    torch do, with the fix that works: leave --format out."""
+    import torch
+
+    weights = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(2)}, weights)
+    save = tmp_path / "step-1"  # a DCP save beside it, whose .distcp files are not the file's
+    assert run_ckpt("convert", weights, save, "--to", "dcp").exit_code == 0
+    for fmt, said in (("gguf", "is not a GGUF file: it is a ZIP archive"), ("dcp", "is not a DCP")):
+        result = run_ckpt("inspect", weights, "--format", fmt, "--json")
+        assert result.exit_code == 4, result.stdout + result.stderr
+        error = result.json["error"]
+        assert error["path"] == str(weights) and said in error["problem"], error
+        assert "download it again" not in error["message"] and "interrupted" not in error["problem"]
+        assert "Leave out --format" in error["fix"] or "pass --format" in error["fix"]
+    assert run_ckpt("inspect", weights).exit_code == 0
+
+
+def test_latest_with_json_still_says_on_stderr_why_there_is_none(tmp_path: Path) -> None:
+    """With --json, errors still go to stderr (docs/json-output.md), and every other exit 3
+    did; `ckpt latest out/ --json` finding no complete checkpoint said nothing there, so a
+    job log showed a failed resume script without its reason. The problems `verify` lists
+    (exit 1) are its report, and stay in the envelope alone."""
+    run_dir = tmp_path / "out"
+    run_dir.mkdir()
+    result = run_ckpt("latest", run_dir, "--json")
+    assert result.exit_code == 3
+    assert result.json["error"]["code"] == "no_checkpoint"
+    assert result.stderr.startswith("ckpt latest: error: ") and str(run_dir) in result.stderr
+    assert result.stderr.count("\n") == 1
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"garbage")
+    verified = run_ckpt("verify", bad, "--json")
+    assert verified.exit_code == 1 and verified.stderr == ""

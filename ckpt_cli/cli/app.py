@@ -176,6 +176,10 @@ def run_command(
     render.envelope_started = False
     try:
         result = action()
+        if faults.unanswered_stop():
+            # a signal swallowed on its way (importing torch catches and drops one now and
+            # then): the command was stopped, whatever the work that went on made of it
+            raise faults.interruption()
         # the outputs are published, or the result is one `--json` envelope: a signal while
         # the report prints is held, and the command ends as it would have (a second one stops
         # the printing). A command that wrote nothing stops as usual while it prints for people
@@ -252,6 +256,10 @@ def _render(
             if code:
                 found = failure(result, code) if failure else _problems_found(command, code)
             render.emit_json(command, result, code, found)
+            if found is not None and code != 1:
+                # an error (`latest` finding no complete checkpoint: exit 3), not the problems
+                # a report lists (exit 1): on stderr too, as every other error of a --json run
+                render.emit_error(command, found, False, exit_code=code)
         else:
             render_human(result)
             # a report's `warnings` (options that had no effect...) go to stderr, any command

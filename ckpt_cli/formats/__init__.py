@@ -346,13 +346,14 @@ def detect_format(source: Source) -> str:
             ),
             path=where,
             fix="Point at the checkpoint file or folder; a checkpoint under another name is "
-            "read with --format where the command has one (inspect, verify, convert, reshard, "
-            "diff), or renamed with its format's suffix.",
+            "read with --format where the command has one (inspect, verify, convert, reshard; "
+            "diff: --format-a / --format-b), or renamed with its format's suffix.",
         )
     raise FormatError(
         f"looks like more than one format ({', '.join(matches)})",
         path=where,
-        fix="Pass --format to say which one to read.",
+        fix="Pass --format to say which one to read (inspect, verify, convert, reshard; diff: "
+        "--format-a / --format-b), or move the other format's files out of the folder.",
     )
 
 

@@ -61,6 +61,23 @@ class DcpFormat(Format):
         # SRC may name the .metadata file or a .distcp file: read the folder around it
         if source.target is None:
             return source
+        name = source.target.rsplit("/", 1)[-1]
+        own = (METADATA, MEGATRON_COMMON, MEGATRON_METADATA)
+        if not (
+            name in own
+            or name.endswith(SUFFIX)
+            or RANK_METADATA.match(name)
+            or DCP_HF_SHARD.match(name)
+        ):
+            # another file read as DCP (`--format dcp`): the folder around it is no DCP save
+            # of its own, and any .distcp files below it are none of this file's
+            raise FormatError(
+                "is not a DCP checkpoint: a DCP save is a folder of .metadata and .distcp "
+                "files, and this is another file",
+                path=source.location.raw,
+                fix="Leave out --format to detect the format, or pass the format it is "
+                "(--format safetensors, --format torch).",
+            )
         return Source(location=source.location, storage=source.storage, target=None)
 
     @classmethod

@@ -263,7 +263,16 @@ def check_header(path: str, where: str) -> HeaderFacts:
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
             head = _Header(data, where)
             if head.uint(4, "the magic") != int.from_bytes(b"GGUF", "little"):
-                return HeaderFacts()  # not GGUF: the reader says so
+                # another kind of file read as GGUF (`--format gguf`), not a damaged one
+                from ..sniff import SNIFF_BYTES, what_is
+
+                raise FormatError(
+                    f"is not a GGUF file: it is {what_is(bytes(data[:SNIFF_BYTES]), size)} (a "
+                    "GGUF file starts with the magic 'GGUF')",
+                    path=where,
+                    fix="Check the path; if it is a checkpoint of another format, name it by "
+                    "that format's suffix or pass --format.",
+                )
             version = head.uint(4, "the version")
             if version & 0xFFFF == 0:  # written for the other byte order
                 head.order = ">"

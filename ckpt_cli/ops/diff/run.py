@@ -14,12 +14,13 @@ small.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from pydantic import Field
 
-from ...errors import NotFoundError, UsageError
+from ...errors import CkptError, NotFoundError, UsageError
 from ...formats.base import Checkpoint
 from ...models import Entry, Record, Request
 from ...progress import NULL_PROGRESS, Progress
@@ -598,6 +599,21 @@ def diff(
     return diff_with(a, b, request, progress)
 
 
+#: `--format` (or `-f/--format`) in a fix, the option of the commands that read one SRC
+_FORMAT_OPTION = re.compile(r"(?<![\w-])(?:-f/)?--format(?![\w-])")
+
+
+def _open_side(location: str, format: str | None, option: str) -> OpenedSource:
+    """`open_source` of one side. A fix that says to pass or leave out `--format` (the option
+    of the commands that read one SRC, which diff lacks) names this side's `option`."""
+    try:
+        return open_source(location, format)
+    except CkptError as error:
+        if error.fix:
+            error.fix = _FORMAT_OPTION.sub(option, error.fix)
+        raise
+
+
 def diff_with(
     a: str, b: str, request: DiffRequest, progress: Progress = NULL_PROGRESS
 ) -> DiffReport:
@@ -612,8 +628,8 @@ def diff_with(
     rename_pairs = parse_renames(request.renames)
     check_naming(request.naming)
     config = _given_config(request.config)
-    opened_a = open_source(a, request.format_a)
-    opened_b = open_source(b, request.format_b)
+    opened_a = _open_side(a, request.format_a, "--format-a")
+    opened_b = _open_side(b, request.format_b, "--format-b")
     with opened_a.checkpoint as base_a, opened_b.checkpoint as base_b:
         ca, cb = base_a, base_b
         schemes: dict[str, str] = {}

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ... import faults
 from ...errors import CkptError, NotFoundError, UsageError
 from ...faults import notice
 from ...sources.runs import DELETING, RunReport, is_remote, scan_run
@@ -412,9 +413,12 @@ def watch(
             if max_iterations is not None and result.iterations >= max_iterations:
                 result.stopped = "max-iterations"
                 break
+            if faults.received is not None:  # one swallowed on its way (a torch import)
+                raise KeyboardInterrupt
             sleep(interval)
     except KeyboardInterrupt:
         result.stopped = "interrupted"
+        faults.answer_stop()
     return result
 
 

@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ... import faults
 from ...errors import Interrupted, UsageError
 from ...models import Request
 from ...sources.runs import DEFAULT_SETTLE, check_run_folder, is_remote
@@ -244,10 +245,13 @@ def sync_with(
             if max_iterations is not None and total.iterations >= max_iterations:
                 total.stopped = "max-iterations"
                 break
+            if faults.received is not None:  # one swallowed on its way (a torch import)
+                raise KeyboardInterrupt
             sleep(watch_seconds)
     except (KeyboardInterrupt, Interrupted):
         # a round cut midway keeps what it uploaded (each object whole) for the next
         total.stopped = "interrupted"
+        faults.answer_stop()
     return total
 
 
