@@ -1042,3 +1042,53 @@ def test_a_plain_saves_step_is_read_from_its_own_meta_file(tmp_path: Path) -> No
     }
     assert (training["step"], training["epoch"]) == (7, 1.0)
     assert training["resumable"] is True and training["optimizer"]["kind"] == "SGD"
+
+
+_ACCELERATE_ONE_MODEL_TWO_OPTIMIZERS = r"""
+import sys
+import torch
+from accelerate import Accelerator
+
+acc = Accelerator(cpu=True)
+model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+adamw = torch.optim.AdamW(model[0].parameters(), lr=1e-3)
+sgd = torch.optim.SGD(model[1].parameters(), lr=1e-2, momentum=0.9)
+model, adamw, sgd = acc.prepare(model, adamw, sgd)
+for _ in range(2):
+    acc.backward(model(torch.ones(1, 4)).sum())
+    adamw.step()
+    sgd.step()
+acc.save_state(sys.argv[1])
+"""
+
+
+def test_one_model_with_two_optimizers_has_both_described_and_fitted(tmp_path: Path) -> None:
+    """One model whose layers two optimizers step (AdamW for some, SGD with momentum for the
+    rest: `optimizer.bin`, `optimizer_1.bin` beside one `model.safetensors`). `inspect` described
+    the first optimizer alone ("AdamW ... 2/2"), and `verify --resumable` passed a save whose
+    `optimizer_1.bin` was another model's state. Both optimizers are now described and fitted
+    to the model's weights."""
+    import subprocess
+
+    save = tmp_path / "step_2"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", _ACCELERATE_ONE_MODEL_TWO_OPTIMIZERS, str(save)]
+    ran = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert not (save / "model_1.safetensors").exists()
+    training = run_ckpt("inspect", save, "--json").json["result"]["training"]
+    assert training["optimizer"]["kind"] == "AdamW + SGD"
+    assert training["optimizer"]["params"] == 4 and training["optimizer"]["params_with_state"] == 4
+    assert run_ckpt("verify", save, "--resumable").exit_code == 0
+    # the second optimizer's state of another model's weights is a mismatch
+    other = torch.nn.Linear(7, 9)
+    opt = torch.optim.SGD(other.parameters(), lr=1e-2, momentum=0.9)
+    other(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), save / "optimizer_1.bin")
+    broken = run_ckpt("verify", save, "--resumable", "--json")
+    assert broken.exit_code == 1, broken.stdout
+    mismatched = [
+        p for p in broken.json["result"]["problems"] if p["code"] == "optimizer_shape_mismatch"
+    ]
+    assert mismatched and all("optimizer_1 state" in p["message"] for p in mismatched)

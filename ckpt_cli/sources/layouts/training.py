@@ -363,8 +363,8 @@ def all_models(checkpoint: Checkpoint, state: TrainingState) -> None:
     FQNs): there a model whose optimizer state was not saved makes it incomplete."""
     keys = top_keys(checkpoint.manifest)
     models = numbered_keys(keys, "model")
-    if len(models) < 2:
-        return
+    if len(models) < 2 and len(numbered_keys(keys, "optimizer")) < 2:
+        return  # one model, one optimizer: `analyse` said it all
     weights = [weights_summary(checkpoint, f"{c}.") for c in models]
     state.weights = {
         k: sum(w.get(k, 0) for w in weights) for k in ("tensors", "parameters", "bytes")
@@ -685,10 +685,12 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
 def _pooled_optimizers(
     checkpoint: Checkpoint, prefixes: dict[str, str]
 ) -> tuple[list[str], list[str]] | None:
-    """(model prefixes, optimizer prefixes) of several prepared models whose optimizers are
+    """(model prefixes, optimizer prefixes) of several prepared models, or of one with several
+    optimizers (Muon beside AdamW, each stepping some of its weights), whose optimizers are
     `torch.optim` state dicts (parameter ids, not FQNs): accelerate numbers models and
     optimizers apart, so every optimizer's state is fitted to the weights of all the models
-    (`all_models`); None otherwise (one model, or FSDP's per-model optimizers). The models
+    (`all_models`); None otherwise (one model and one optimizer, or FSDP's per-model
+    optimizers). The models
     are the components `model`, `model_1`..., or those the layout's `prefixes` number so (the
     models a save hook wrote instead of accelerate: a DreamBooth run's `unet/` and
     `text_encoder/`, both stepped by one optimizer)."""
@@ -697,8 +699,8 @@ def _pooled_optimizers(
     if len(models) < 2:
         models = [prefixes[m] for m in numbered_keys(prefixes, "model")]
     optimizers = numbered_keys(keys, "optimizer")
-    if len(models) < 2 or not optimizers:
-        return None
+    if not models or not optimizers or len(models) + len(optimizers) < 3:
+        return None  # one model, one optimizer: `model_optimizer_pairs` fits them
     views = [analyse_optimizer(checkpoint, keys[o]) for o in optimizers]
     if any(v is not None and v.by_fqn for v in views):
         return None
