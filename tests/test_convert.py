@@ -987,3 +987,29 @@ def test_a_cast_keeps_the_weights_transformers_loads_in_float32(
     assert expected.keys() == loaded.keys()
     for name, tensor in expected.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_a_cast_keeps_the_weights_diffusers_loads_in_float32(tmp_path: Path) -> None:
+    """Wan's video transformer lists its time embedder and modulation (`scale_shift_table`) in
+    `_keep_in_fp32_modules`, which diffusers loads in float32 under any dtype. `convert --dtype
+    bf16` rounded them, so the copy loaded other weights than the source under
+    `torch_dtype=torch.bfloat16`; they stay as stored and the copy loads bit-exact."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    WanTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
+    ).save_pretrained(tmp_path / "wan")  # fmt: skip
+    out = tmp_path / "out"
+    r = run_ckpt("convert", tmp_path / "wan", out, "--to", "safetensors", "--dtype", "bf16")
+    assert r.exit_code == 0, r.stderr
+    with safe_open(out / "diffusion_pytorch_model.safetensors", framework="pt") as f:
+        assert f.get_slice("scale_shift_table").get_dtype() == "F32"
+        assert f.get_slice("proj_out.weight").get_dtype() == "BF16"
+    want = WanTransformer3DModel.from_pretrained(tmp_path / "wan", torch_dtype=torch.bfloat16)
+    got = WanTransformer3DModel.from_pretrained(out, torch_dtype=torch.bfloat16)
+    expected, loaded = want.state_dict(), got.state_dict()
+    assert expected.keys() == loaded.keys()
+    for name, tensor in expected.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
