@@ -737,7 +737,8 @@ def test_plain_sgd_needs_no_per_parameter_state(tmp_path: Path) -> None:
     assert training["optimizer"]["kind"] == "SGD" and training["optimizer"]["complete"]
     assert "optimizer state for every parameter" not in training["missing"]
     assert training["missing"] == []
-    assert training["missing_exact"] == ["scheduler", "rng", "dataloader"]
+    # no LR scheduler stepped it (no `initial_lr`): none is missing
+    assert training["missing_exact"] == ["rng", "dataloader"]
 
 
 @pytest.mark.parametrize("to", ["torch", "dcp"])
@@ -1092,3 +1093,52 @@ def test_one_model_with_two_optimizers_has_both_described_and_fitted(tmp_path: P
         p for p in broken.json["result"]["problems"] if p["code"] == "optimizer_shape_mismatch"
     ]
     assert mismatched and all("optimizer_1 state" in p["message"] for p in mismatched)
+
+
+_ACCELERATE_WITH_OR_WITHOUT_SCHEDULER = r"""
+import sys
+import torch
+from accelerate import Accelerator
+
+acc = Accelerator(cpu=True)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+objects = [model, optimizer]
+if sys.argv[2] == "scheduled":
+    objects.append(torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=4))
+prepared = acc.prepare(*objects)
+for _ in range(2):
+    acc.backward(prepared[0](torch.ones(1, 4)).sum())
+    prepared[1].step()
+    if len(prepared) > 2:
+        prepared[2].step()
+acc.save_state(sys.argv[1])
+"""
+
+
+def test_a_run_without_an_lr_scheduler_lacks_no_scheduler_state(tmp_path: Path) -> None:
+    """A script that prepares no LR scheduler (a constant learning rate) saves no
+    `scheduler.bin`, and resumes exactly without one; `verify --exact` failed every such save
+    with "no LR scheduler state". torch's schedulers set `initial_lr` in each param group they
+    schedule, so an optimizer without it had none: nothing is missing. A scheduled run whose
+    `scheduler.bin` was lost still lacks it."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    saves = {}
+    for kind in ("constant", "scheduled"):
+        save = saves[kind] = tmp_path / kind
+        cmd = [sys.executable, "-c", _ACCELERATE_WITH_OR_WITHOUT_SCHEDULER, str(save), kind]
+        ran = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert ran.returncode == 0, ran.stderr
+    assert not (saves["constant"] / "scheduler.bin").exists()
+    training = run_ckpt("inspect", saves["constant"], "--json").json["result"]["training"]
+    assert training["optimizer"]["scheduled"] is False
+    assert training["missing_exact"] == ["dataloader"], training
+    (saves["scheduled"] / "scheduler.bin").unlink()
+    training = run_ckpt("inspect", saves["scheduled"], "--json").json["result"]["training"]
+    assert training["optimizer"]["scheduled"] is True
+    assert training["missing_exact"] == ["scheduler", "dataloader"], training
+    verdict = run_ckpt("verify", saves["scheduled"], "--exact", "--json")
+    codes = {p["code"] for p in verdict.json["result"]["problems"]}
+    assert verdict.exit_code == 1 and "missing_scheduler" in codes

@@ -218,6 +218,8 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> OptimizerView | No
             complete=complete,
             pending=pending,
             source=prefix,
+            # every torch LR scheduler sets `initial_lr` in each param group it schedules
+            scheduled=any(n.endswith(".initial_lr") for n in group_names) if group_names else None,
         ),
         per_param=per_param,
         by_fqn=by_fqn,
@@ -407,6 +409,11 @@ def _combined_optimizers(views: list[OptimizerState | None]) -> OptimizerState |
         complete=len(found) == len(views) and all(v.complete for v in found),
         pending=[p for v in found for p in v.pending],
         source=", ".join(v.source or "" for v in found),
+        scheduled=True
+        if any(v.scheduled for v in found)
+        else False
+        if all(v.scheduled is False for v in found)
+        else None,
     )
 
 
@@ -478,7 +485,9 @@ def verdict(state: TrainingState) -> None:
     for rel, why in state.unreadable.items():
         missing.append(f"{rel} (unreadable: {why})")
     extra = []
-    if not state.scheduler:
+    # a run with no LR scheduler saves none, and resumes exactly without one
+    unscheduled = state.optimizer is not None and state.optimizer.scheduled is False
+    if not state.scheduler and not unscheduled:
         extra.append("scheduler")
     if not counted and "step" not in missing:
         extra.append("step")
