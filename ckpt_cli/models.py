@@ -638,6 +638,9 @@ class OptimizerState(Record):
             others hold all of it: torch keeps none until a parameter's first gradient
             (frozen, or staged unfreezing), and a resume restores the rest.
         source: where it was found (file or key prefix).
+        scheduled: whether an LR scheduler stepped it: torch's schedulers record each param
+            group's `initial_lr`, so False says the run had none (its save lacks no scheduler
+            state); None where its param groups are not read by name.
     """
 
     kind: str | None = None
@@ -647,6 +650,7 @@ class OptimizerState(Record):
     complete: bool = True
     pending: list[str] = Field(default_factory=list)
     source: str | None = None
+    scheduled: bool | None = None
 
 
 class TrainingState(Record):

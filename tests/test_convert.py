@@ -951,3 +951,65 @@ def test_converting_an_output_dir_names_each_save_beside_the_model_once(tmp_path
     again = run_ckpt("convert", out, tmp_path / "export2", "--to", "safetensors", "--json")
     skipped = {s["name"] for s in again.json["result"]["skipped"] if s["kind"] == "file"}
     assert skipped == set(saved)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "torch_dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16)]
+)
+def test_a_cast_keeps_the_weights_transformers_loads_in_float32(
+    tmp_path: Path, dtype: str, torch_dtype: torch.dtype
+) -> None:
+    """T5 lists its feed-forward output `wo` in `_keep_in_fp32_modules`: `from_pretrained(dtype=
+    torch.float16)` loads it in float32. `convert --dtype fp16` rounded it to float16, so the
+    model loaded from the copy held other `wo` weights than the one loaded from the source.
+    They now stay as stored under fp16 (bf16, which the list does not cover, casts them), and
+    the copy loads as the source does, bit for bit."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    out = tmp_path / "out"
+    r = run_ckpt("convert", tmp_path / "t5", out, "--to", "safetensors", "--dtype", dtype)
+    assert r.exit_code == 0, r.stderr
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        stored = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+    wo = {k: v for k, v in stored.items() if k.endswith("DenseReluDense.wo.weight")}
+    assert len(wo) == 2
+    assert set(wo.values()) == ({"F32"} if dtype == "fp16" else {"BF16"}), stored
+    assert {v for k, v in stored.items() if k not in wo} == {dtype.upper().replace("FP", "F")}
+    want = T5ForConditionalGeneration.from_pretrained(tmp_path / "t5", dtype=torch_dtype)
+    got = T5ForConditionalGeneration.from_pretrained(out, dtype=torch_dtype)
+    expected, loaded = want.state_dict(), got.state_dict()
+    assert expected.keys() == loaded.keys()
+    for name, tensor in expected.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_a_cast_keeps_the_weights_diffusers_loads_in_float32(tmp_path: Path) -> None:
+    """Wan's video transformer lists its time embedder and modulation (`scale_shift_table`) in
+    `_keep_in_fp32_modules`, which diffusers loads in float32 under any dtype. `convert --dtype
+    bf16` rounded them, so the copy loaded other weights than the source under
+    `torch_dtype=torch.bfloat16`; they stay as stored and the copy loads bit-exact."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    WanTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
+    ).save_pretrained(tmp_path / "wan")  # fmt: skip
+    out = tmp_path / "out"
+    r = run_ckpt("convert", tmp_path / "wan", out, "--to", "safetensors", "--dtype", "bf16")
+    assert r.exit_code == 0, r.stderr
+    with safe_open(out / "diffusion_pytorch_model.safetensors", framework="pt") as f:
+        assert f.get_slice("scale_shift_table").get_dtype() == "F32"
+        assert f.get_slice("proj_out.weight").get_dtype() == "BF16"
+    want = WanTransformer3DModel.from_pretrained(tmp_path / "wan", torch_dtype=torch.bfloat16)
+    got = WanTransformer3DModel.from_pretrained(out, torch_dtype=torch.bfloat16)
+    expected, loaded = want.state_dict(), got.state_dict()
+    assert expected.keys() == loaded.keys()
+    for name, tensor in expected.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name

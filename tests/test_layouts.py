@@ -737,7 +737,8 @@ def test_plain_sgd_needs_no_per_parameter_state(tmp_path: Path) -> None:
     assert training["optimizer"]["kind"] == "SGD" and training["optimizer"]["complete"]
     assert "optimizer state for every parameter" not in training["missing"]
     assert training["missing"] == []
-    assert training["missing_exact"] == ["scheduler", "rng", "dataloader"]
+    # no LR scheduler stepped it (no `initial_lr`): none is missing
+    assert training["missing_exact"] == ["rng", "dataloader"]
 
 
 @pytest.mark.parametrize("to", ["torch", "dcp"])
@@ -1042,3 +1043,102 @@ def test_a_plain_saves_step_is_read_from_its_own_meta_file(tmp_path: Path) -> No
     }
     assert (training["step"], training["epoch"]) == (7, 1.0)
     assert training["resumable"] is True and training["optimizer"]["kind"] == "SGD"
+
+
+_ACCELERATE_ONE_MODEL_TWO_OPTIMIZERS = r"""
+import sys
+import torch
+from accelerate import Accelerator
+
+acc = Accelerator(cpu=True)
+model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+adamw = torch.optim.AdamW(model[0].parameters(), lr=1e-3)
+sgd = torch.optim.SGD(model[1].parameters(), lr=1e-2, momentum=0.9)
+model, adamw, sgd = acc.prepare(model, adamw, sgd)
+for _ in range(2):
+    acc.backward(model(torch.ones(1, 4)).sum())
+    adamw.step()
+    sgd.step()
+acc.save_state(sys.argv[1])
+"""
+
+
+def test_one_model_with_two_optimizers_has_both_described_and_fitted(tmp_path: Path) -> None:
+    """One model whose layers two optimizers step (AdamW for some, SGD with momentum for the
+    rest: `optimizer.bin`, `optimizer_1.bin` beside one `model.safetensors`). `inspect` described
+    the first optimizer alone ("AdamW ... 2/2"), and `verify --resumable` passed a save whose
+    `optimizer_1.bin` was another model's state. Both optimizers are now described and fitted
+    to the model's weights."""
+    import subprocess
+
+    save = tmp_path / "step_2"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", _ACCELERATE_ONE_MODEL_TWO_OPTIMIZERS, str(save)]
+    ran = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert not (save / "model_1.safetensors").exists()
+    training = run_ckpt("inspect", save, "--json").json["result"]["training"]
+    assert training["optimizer"]["kind"] == "AdamW + SGD"
+    assert training["optimizer"]["params"] == 4 and training["optimizer"]["params_with_state"] == 4
+    assert run_ckpt("verify", save, "--resumable").exit_code == 0
+    # the second optimizer's state of another model's weights is a mismatch
+    other = torch.nn.Linear(7, 9)
+    opt = torch.optim.SGD(other.parameters(), lr=1e-2, momentum=0.9)
+    other(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), save / "optimizer_1.bin")
+    broken = run_ckpt("verify", save, "--resumable", "--json")
+    assert broken.exit_code == 1, broken.stdout
+    mismatched = [
+        p for p in broken.json["result"]["problems"] if p["code"] == "optimizer_shape_mismatch"
+    ]
+    assert mismatched and all("optimizer_1 state" in p["message"] for p in mismatched)
+
+
+_ACCELERATE_WITH_OR_WITHOUT_SCHEDULER = r"""
+import sys
+import torch
+from accelerate import Accelerator
+
+acc = Accelerator(cpu=True)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+objects = [model, optimizer]
+if sys.argv[2] == "scheduled":
+    objects.append(torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=4))
+prepared = acc.prepare(*objects)
+for _ in range(2):
+    acc.backward(prepared[0](torch.ones(1, 4)).sum())
+    prepared[1].step()
+    if len(prepared) > 2:
+        prepared[2].step()
+acc.save_state(sys.argv[1])
+"""
+
+
+def test_a_run_without_an_lr_scheduler_lacks_no_scheduler_state(tmp_path: Path) -> None:
+    """A script that prepares no LR scheduler (a constant learning rate) saves no
+    `scheduler.bin`, and resumes exactly without one; `verify --exact` failed every such save
+    with "no LR scheduler state". torch's schedulers set `initial_lr` in each param group they
+    schedule, so an optimizer without it had none: nothing is missing. A scheduled run whose
+    `scheduler.bin` was lost still lacks it."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    saves = {}
+    for kind in ("constant", "scheduled"):
+        save = saves[kind] = tmp_path / kind
+        cmd = [sys.executable, "-c", _ACCELERATE_WITH_OR_WITHOUT_SCHEDULER, str(save), kind]
+        ran = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert ran.returncode == 0, ran.stderr
+    assert not (saves["constant"] / "scheduler.bin").exists()
+    training = run_ckpt("inspect", saves["constant"], "--json").json["result"]["training"]
+    assert training["optimizer"]["scheduled"] is False
+    assert training["missing_exact"] == ["dataloader"], training
+    (saves["scheduled"] / "scheduler.bin").unlink()
+    training = run_ckpt("inspect", saves["scheduled"], "--json").json["result"]["training"]
+    assert training["optimizer"]["scheduled"] is True
+    assert training["missing_exact"] == ["scheduler", "dataloader"], training
+    verdict = run_ckpt("verify", saves["scheduled"], "--exact", "--json")
+    codes = {p["code"] for p in verdict.json["result"]["problems"]}
+    assert verdict.exit_code == 1 and "missing_scheduler" in codes

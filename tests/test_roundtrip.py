@@ -383,9 +383,11 @@ def test_what_passed_resumable_before_a_convert_passes_it_after(
 def test_two_levels_resumable_and_exact_in_text_and_json(
     real_accelerate_run: Path, tmp_path: Path
 ) -> None:
-    # a plain torch.save training dict without data-loader state: training continues, not exactly
+    # a plain torch.save training dict without data-loader state, nor the state of the LR
+    # scheduler that stepped its optimizer: training continues, not exactly
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters())
+    torch.optim.lr_scheduler.LinearLR(opt, total_iters=4)  # sets each group's initial_lr
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     torch.save(

@@ -1335,3 +1335,61 @@ def test_latest_of_one_checkpoint_names_the_run_folder_to_ask(tmp_path: Path) ->
     )
     # and the fix is right: the run folder names its newest save
     assert run_ckpt("latest", run).stdout.strip() == str(run / "checkpoint-200")
+
+
+_ACCELERATE_THREE_MODELS = r"""
+import sys
+import torch
+from accelerate import Accelerator
+
+accelerator = Accelerator(cpu=True)
+models = [torch.nn.Linear(4, 4) for _ in range(3)]
+optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+schedulers = [torch.optim.lr_scheduler.LinearLR(o, total_iters=4) for o in optimizers]
+prepared = accelerator.prepare(*models, *optimizers, *schedulers)
+for model, optimizer, scheduler in zip(prepared[:3], prepared[3:6], prepared[6:]):
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+for folder in sys.argv[1:]:
+    accelerator.save_state(folder)
+"""
+
+
+def test_an_accelerate_save_of_several_models_is_one_checkpoint_not_a_run(
+    tmp_path: Path,
+) -> None:
+    """An accelerate `save_state` folder with three prepared models, optimizers and schedulers
+    (`model.safetensors`, `model_1.safetensors`, `model_2.safetensors`, `optimizer_1.bin`...):
+    `latest` of the save named its own `model_2.safetensors` as the newest checkpoint of a run,
+    and `prune --keep-last 1 --yes` would have deleted `model_1.safetensors`, `optimizer_1.bin`
+    and `scheduler_1.bin` as older "step 1" saves. The numbered files beside accelerate's own are
+    parts of that save: the folder is one checkpoint (refused, the run folder named), and a run
+    folder of such saves lists the saves, not their parts."""
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    run = tmp_path / "run"
+    saves = [run / "step_1", run / "step_2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", _ACCELERATE_THREE_MODELS, *map(str, saves)]
+    ran = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    save = saves[1]
+    before = sorted(p.name for p in save.iterdir())
+    assert {"model_1.safetensors", "model_2.safetensors", "optimizer_2.bin"} <= set(before)
+    one = run_ckpt("latest", save, "--json")
+    assert one.exit_code == 3, one.stdout
+    assert one.json["error"]["problem"] == "is one checkpoint, not a run folder of checkpoints"
+    pruned = run_ckpt("prune", save, "--keep-last", "1", "--settle", "0", "--yes")
+    assert pruned.exit_code == 2, pruned.stdout
+    assert "is one checkpoint, not a run folder" in " ".join(pruned.stderr.split())
+    assert sorted(p.name for p in save.iterdir()) == before
+    # the run folder: its two saves, each whole
+    age(run)
+    rows = table(run)
+    assert sorted(rows) == ["step_1", "step_2"], rows
+    assert all(r["status"] == "complete" for r in rows.values()), rows
+    assert run_ckpt("latest", run).stdout.strip() == str(save)

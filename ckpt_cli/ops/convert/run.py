@@ -395,6 +395,7 @@ def convert(
             cast,
             match_prefix,
             restore_aliases=naming is None,
+            config=source_config(base.storage) if cast in ("float16", "bfloat16") else None,
         )
         # the dequantized weights the output holds, not all the source has (-k picks some)
         dequantized = sum(1 for item in plan.items if item.source.name in dequantizable)
@@ -706,9 +707,13 @@ def _plan(
     match_prefix: str = "",
     *,
     restore_aliases: bool,
+    config: dict[str, Any] | None = None,
 ) -> TransferPlan:
     """What goes out under which name and dtype, as far as the target can hold it; with
-    `restore_aliases`, the names the source records as aliases too (`plan_transfer`)."""
+    `restore_aliases`, the names the source records as aliases too (`plan_transfer`). The
+    weights transformers loads in float32 whatever the dtype (the model class `config` names:
+    `kept_in_float32`) stay as stored under a cast."""
+    from ...architectures.fp32_modules import kept_in_float32
     from ..shared.selection import refuse_placeholders
 
     source_format = find_format(manifest.format)
@@ -728,6 +733,7 @@ def _plan(
         # tensors), whether or not the target holds objects
         left_out=source_format.skip_reason if source_format is not None else None,
         with_scales=True,
+        uncast=kept_in_float32(config, cast, (e.name for e in manifest.entries)),
     )
     if select or include or exclude:
         # ZeRO-3's empty parameters are no weights: never picked out without the rebuilt ones

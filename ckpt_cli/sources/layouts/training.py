@@ -218,6 +218,8 @@ def analyse_optimizer(checkpoint: Checkpoint, prefix: str) -> OptimizerView | No
             complete=complete,
             pending=pending,
             source=prefix,
+            # every torch LR scheduler sets `initial_lr` in each param group it schedules
+            scheduled=any(n.endswith(".initial_lr") for n in group_names) if group_names else None,
         ),
         per_param=per_param,
         by_fqn=by_fqn,
@@ -363,8 +365,8 @@ def all_models(checkpoint: Checkpoint, state: TrainingState) -> None:
     FQNs): there a model whose optimizer state was not saved makes it incomplete."""
     keys = top_keys(checkpoint.manifest)
     models = numbered_keys(keys, "model")
-    if len(models) < 2:
-        return
+    if len(models) < 2 and len(numbered_keys(keys, "optimizer")) < 2:
+        return  # one model, one optimizer: `analyse` said it all
     weights = [weights_summary(checkpoint, f"{c}.") for c in models]
     state.weights = {
         k: sum(w.get(k, 0) for w in weights) for k in ("tensors", "parameters", "bytes")
@@ -407,6 +409,11 @@ def _combined_optimizers(views: list[OptimizerState | None]) -> OptimizerState |
         complete=len(found) == len(views) and all(v.complete for v in found),
         pending=[p for v in found for p in v.pending],
         source=", ".join(v.source or "" for v in found),
+        scheduled=True
+        if any(v.scheduled for v in found)
+        else False
+        if all(v.scheduled is False for v in found)
+        else None,
     )
 
 
@@ -478,7 +485,9 @@ def verdict(state: TrainingState) -> None:
     for rel, why in state.unreadable.items():
         missing.append(f"{rel} (unreadable: {why})")
     extra = []
-    if not state.scheduler:
+    # a run with no LR scheduler saves none, and resumes exactly without one
+    unscheduled = state.optimizer is not None and state.optimizer.scheduled is False
+    if not state.scheduler and not unscheduled:
         extra.append("scheduler")
     if not counted and "step" not in missing:
         extra.append("step")
@@ -685,10 +694,12 @@ def shape_problems(opened: OpenedSource) -> list[Problem]:
 def _pooled_optimizers(
     checkpoint: Checkpoint, prefixes: dict[str, str]
 ) -> tuple[list[str], list[str]] | None:
-    """(model prefixes, optimizer prefixes) of several prepared models whose optimizers are
+    """(model prefixes, optimizer prefixes) of several prepared models, or of one with several
+    optimizers (Muon beside AdamW, each stepping some of its weights), whose optimizers are
     `torch.optim` state dicts (parameter ids, not FQNs): accelerate numbers models and
     optimizers apart, so every optimizer's state is fitted to the weights of all the models
-    (`all_models`); None otherwise (one model, or FSDP's per-model optimizers). The models
+    (`all_models`); None otherwise (one model and one optimizer, or FSDP's per-model
+    optimizers). The models
     are the components `model`, `model_1`..., or those the layout's `prefixes` number so (the
     models a save hook wrote instead of accelerate: a DreamBooth run's `unet/` and
     `text_encoder/`, both stepped by one optimizer)."""
@@ -697,8 +708,8 @@ def _pooled_optimizers(
     if len(models) < 2:
         models = [prefixes[m] for m in numbered_keys(prefixes, "model")]
     optimizers = numbered_keys(keys, "optimizer")
-    if len(models) < 2 or not optimizers:
-        return None
+    if not models or not optimizers or len(models) + len(optimizers) < 3:
+        return None  # one model, one optimizer: `model_optimizer_pairs` fits them
     views = [analyse_optimizer(checkpoint, keys[o]) for o in optimizers]
     if any(v is not None and v.by_fqn for v in views):
         return None

@@ -299,12 +299,21 @@ def collect(entries: Iterable[tuple[str, bool, Callable[[], bool]]]) -> list[Fou
     in one folder (`model_500.pt`, `optim_500.pt`) form one checkpoint."""
     found: list[Found] = []
     plain_files: dict[tuple[str, int | None], Found] = {}
-    for rel, is_dir, holds_checkpoint in entries:
+    listed = list(entries)
+    accelerate_saves = _accelerate_save_folders((rel, is_dir) for rel, is_dir, _ in listed)
+    for rel, is_dir, holds_checkpoint in listed:
         parent, _, name = rel.rpartition("/")
         named = classify(name, is_dir, holds_checkpoint)
         if named is None:
             continue
         layout, step, epoch, temporary = named
+        if (
+            layout == "plain"
+            and not is_dir
+            and parent in accelerate_saves
+            and _ACCELERATE_PART.fullmatch(name)
+        ):
+            continue  # `model_1.safetensors` of the save this folder is: no step save
         save_number = None
         if step is not None and counts_saves(layout, name):
             save_number, step = step, None
@@ -319,6 +328,30 @@ def collect(entries: Iterable[tuple[str, bool, Callable[[], bool]]]) -> list[Fou
             plain_files[key] = item
         found.append(item)
     return found
+
+
+#: the files `save_state` numbers by the prepared (or registered) object they hold, the second
+#: on (`model_1.safetensors`, `optimizer_1.bin`, `scheduler_2.bin`, `custom_checkpoint_0.pkl`)
+_ACCELERATE_PART = re.compile(
+    r"(?:model|pytorch_model|pytorch_model_fsdp|optimizer|scheduler|sampler|dl_state_dict"
+    r"|custom_checkpoint)_\d+\.(?:safetensors|bin|pkl)"
+)
+#: the files only an accelerate save holds at its top: each process's RNG states, and the first
+#: optimizer's and scheduler's state
+_ACCELERATE_OWN = re.compile(r"random_states_\d+\.pkl|optimizer\.bin|scheduler\.bin")
+
+
+def _accelerate_save_folders(entries: Iterable[tuple[str, bool]]) -> set[str]:
+    """The folders (relative to the run folder, `""` for itself) that are an accelerate
+    `save_state` save themselves: accelerate's own files lie at their top. Its numbered files
+    there are that save's second and later models, optimizers, schedulers: not step saves
+    (`ckpt latest` of one such save named its own `model_2.safetensors`, and `prune` would have
+    deleted `model_1.safetensors` as an older one)."""
+    return {
+        rel.rpartition("/")[0]
+        for rel, is_dir in entries
+        if not is_dir and _ACCELERATE_OWN.fullmatch(rel.rpartition("/")[2])
+    }
 
 
 def leave_out_strays(items: list[Found]) -> tuple[list[Found], list[str]]:
