@@ -1173,3 +1173,52 @@ def test_a_sparse_4_gib_manifest_of_a_pulled_copy_is_never_read_whole(
     assert again.peak_rss < 1 << 30 and again.cpu_s < CPU_LIMIT
     assert again.json["result"]["checkpoints"][0]["action"] == "downloaded"
     assert manifest.stat().st_size < 1 << 20
+
+
+def _zero2_save(run: Path, dp_world_size: int) -> None:
+    """A ZeRO-2 tag folder of one rank (`global_step12/` + `latest`) whose model states record
+    `dp_world_size`."""
+    model = torch.nn.Linear(4, 2)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    tag = run / "global_step12"
+    tag.mkdir(parents=True)
+    (run / "latest").write_text("global_step12")
+    ds_config = {"zero_optimization": {"stage": 2}}
+    torch.save(
+        {
+            "module": model.state_dict(),
+            "buffer_names": [],
+            "param_shapes": [{"weight": torch.Size([2, 4]), "bias": torch.Size([2])}],
+            "global_steps": 12,
+            "dp_world_size": dp_world_size,
+            "mp_world_size": 1,
+            "ds_config": ds_config,
+        },
+        tag / "mp_rank_00_model_states.pt",
+    )
+    torch.save(
+        {
+            "optimizer_state_dict": {
+                "single_partition_of_fp32_groups": [flat],
+                "group_paddings": [0],
+                "partition_count": [1],
+            },
+            "ds_config": ds_config,
+        },
+        tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    )
+
+
+def test_a_zero_save_recording_a_trillion_ranks_is_refused_not_listed(tmp_path: Path) -> None:
+    # dp_world_size names every rank whose partition must be there: a 2 KB model-states file
+    # recording 10**12 made verify (and latest, prune) list 10**12 file names
+    _zero2_save(tmp_path / "ok", 1)
+    assert ckpt_limited("verify", tmp_path / "ok").exit_code == 0
+    run = tmp_path / "run"
+    _zero2_save(run, 10**12)
+    model_states = run / "global_step12" / "mp_rank_00_model_states.pt"
+    assert_refused(ckpt_limited("verify", run), model_states, "1,000,000,000,000")
+    # the run folder's judge reads the same count from the pickle's opcodes: no complete save
+    latest = ckpt_limited("latest", run)
+    assert_refused(latest, model_states, "1,000,000,000,000", exit_code=latest.exit_code)
+    assert latest.exit_code in (1, 3, 4), latest.stderr
