@@ -1222,3 +1222,33 @@ def test_a_zero_save_recording_a_trillion_ranks_is_refused_not_listed(tmp_path: 
     latest = ckpt_limited("latest", run)
     assert_refused(latest, model_states, "1,000,000,000,000", exit_code=latest.exit_code)
     assert latest.exit_code in (1, 3, 4), latest.stderr
+
+
+@pytest.mark.parametrize(
+    ("original", "numbered"),
+    [
+        ("random_states_0.pkl", "random_states_99999999999.pkl"),  # a rank
+        ("scheduler.bin", "scheduler_99999999999.bin"),  # an object index
+        ("scheduler.bin", "scheduler_1048576.bin"),  # one check per lower index: quadratic
+    ],
+)
+def test_a_file_numbered_past_any_run_is_refused_not_counted_up_to(
+    tmp_path: Path, original: str, numbered: str
+) -> None:
+    # accelerate numbers each rank's RNG file and each object's state: every lower number
+    # must be there too. One copied file named for rank 10**11 made verify check (and report
+    # missing) every rank below it, until killed.
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer)
+    accelerator.prepare(model, optimizer, scheduler)
+    save = tmp_path / "step-3"
+    accelerator.save_state(str(save))
+    assert ckpt_limited("verify", save).exit_code == 0
+    shutil.copy(save / original, save / numbered)
+    assert_refused(ckpt_limited("verify", save), save / numbered, "corrupt or crafted")
+    judged = ckpt_limited("latest", tmp_path)
+    assert_refused(judged, save / numbered, exit_code=judged.exit_code)
+    assert judged.exit_code in (3, 4), judged.stderr
