@@ -87,6 +87,16 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
 def _shard_name(shard: str, where: str) -> str:
     """`safe_relpath` of a shard the index names, which must name a file, not the folder."""
     name = safe_relpath(shard, source=where)
+    if name != "." and shard.endswith(("/", "/.")):
+        # loaders join the name to the folder as written (`os.path.join`), and a file opened
+        # as a folder fails (ENOTDIR), where the normalised name reads the shard
+        raise FormatError(
+            f"names the shard {shard!r}, a folder's name (it ends in {shard[-1]!r}): "
+            "from_pretrained and safe_open cannot open a file by it",
+            path=where,
+            fix="Write the index again (save_pretrained writes it with the shards), or drop the "
+            "trailing characters from the shard names in its weight_map.",
+        )
     if name == ".":
         raise FormatError(
             f"names the checkpoint folder itself ({shard!r}) as a shard file",
