@@ -1252,3 +1252,18 @@ def test_a_file_numbered_past_any_run_is_refused_not_counted_up_to(
     judged = ckpt_limited("latest", tmp_path)
     assert_refused(judged, save / numbered, exit_code=judged.exit_code)
     assert judged.exit_code in (3, 4), judged.stderr
+
+
+def test_shards_numbered_as_sets_of_99999_are_counted_not_listed(tmp_path: Path) -> None:
+    # with no index, `x-00001-of-99999.safetensors` says 99,998 more shards of its save are
+    # missing: 40 such files of 100 bytes each made verify build and describe 4 million names
+    # (60 of them: 107 s and 0.9 GB)
+    for i in range(40):
+        save_file({f"t{i}": torch.ones(1)}, str(tmp_path / f"m{i}-00001-of-99999.safetensors"))
+    run = ckpt_limited("verify", tmp_path, "--json")
+    assert run.exit_code == 1, run.stderr
+    problems = json.loads(run.stdout)["result"]["problems"]
+    assert [p["code"] for p in problems] == ["missing_shard"] * 101
+    assert problems[0]["file"] == str(tmp_path / "m0-00002-of-99999.safetensors")
+    assert "3,999,820 more missing_shard" in problems[-1]["message"], problems[-1]
+    assert run.peak_rss < 1 << 30 and run.cpu_s < 30, (run.peak_rss, run.cpu_s)
