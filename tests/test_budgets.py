@@ -1267,3 +1267,20 @@ def test_shards_numbered_as_sets_of_99999_are_counted_not_listed(tmp_path: Path)
     assert problems[0]["file"] == str(tmp_path / "m0-00002-of-99999.safetensors")
     assert "3,999,820 more missing_shard" in problems[-1]["message"], problems[-1]
     assert run.peak_rss < 1 << 30 and run.cpu_s < 30, (run.peak_rss, run.cpu_s)
+
+
+def test_doctor_names_a_few_of_the_ranks_an_rng_key_numbered_past_any_run_lacks(
+    tmp_path: Path,
+) -> None:
+    # a save holding rank N's RNG state had N + 1 ranks: a 10 KB torch.save keyed
+    # `rank_99999999999` made doctor list the 10**11 ranks it lacks (MemoryError, exit 70)
+    model = torch.nn.Linear(2, 2)
+    rng = {"torch_cpu": torch.get_rng_state()}
+    state = {"model": model.state_dict(), "rng": {"rank_0": rng, "rank_99999999999": rng}}
+    torch.save(state, tmp_path / "step-1.pt")
+    run = ckpt_limited("doctor", tmp_path / "step-1.pt", "--json")
+    assert run.exit_code == 1, run.stdout + run.stderr
+    cause = json.loads(run.stdout)["result"]["causes"][0]
+    assert cause["id"] == "rng_ranks_missing", cause
+    assert "none for ranks 1, 2, 3, 4, 5, 6, 7, 8 and 99,999,999,990 more" in cause["evidence"][0]
+    assert run.peak_rss < 1 << 30, run.peak_rss
