@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from .hub_server import TestHub
 
@@ -1284,3 +1284,31 @@ def test_doctor_names_a_few_of_the_ranks_an_rng_key_numbered_past_any_run_lacks(
     assert cause["id"] == "rng_ranks_missing", cause
     assert "none for ranks 1, 2, 3, 4, 5, 6, 7, 8 and 99,999,999,990 more" in cause["evidence"][0]
     assert run.peak_rss < 1 << 30, run.peak_rss
+
+
+def test_an_expert_numbered_past_any_model_is_refused_by_convert(tmp_path: Path) -> None:
+    # stacking a layer's experts for torchtitan lists every expert number below the highest:
+    # one renamed to `experts.99999999999` made convert build 10**11 of them (MemoryError)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=40,
+    )
+    hf = tmp_path / "hf"
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(hf)
+    state = load_file(hf / "model.safetensors")
+    for proj in ("gate", "up", "down"):
+        old, new = (f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight" for e in (3, 99999999999))
+        state[new] = state.pop(old)
+    save_file(state, hf / "model.safetensors", metadata={"format": "pt"})
+    run = ckpt_limited("convert", hf, tmp_path / "titan", "--to", "torchtitan")
+    assert_refused(run, hf, "100,000,000,000 experts", "experts.99999999999.gate_proj")
+    assert not (tmp_path / "titan").exists()
