@@ -60,6 +60,12 @@ class Findings:
             )
         )
 
+    def add_counted(self, code: str, count: int, *, fix: str, severity: Severity = "error") -> None:
+        """Count `count` more flaws of `code` (of several files) without listing them: for a
+        check that listed the first `models.MAX_EXAMPLES` and knows how many more there are."""
+        if count > 0:
+            self.problems.add_counted(code, severity, None, fix, count=count)
+
     def error(self, error: CkptError, code: str | None = None) -> None:
         """Record what an exception said (as `code`, else the error's own code)."""
         self.problems.append(problem_from_error(error, code))

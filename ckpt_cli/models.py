@@ -566,18 +566,23 @@ class ProblemList(list[Problem]):
         return self._listed.get((code, severity), 0) >= MAX_EXAMPLES
 
     def add_counted(
-        self, code: str, severity: Severity, file: str | None, fix: str | None = None
+        self,
+        code: str,
+        severity: Severity,
+        file: str | None,
+        fix: str | None = None,
+        count: int = 1,
     ) -> None:
-        """Count one more problem of `code` at `severity` about `file` (whose fix is `fix`) in
-        its summary, without listing it (for a caller that found `full` true and built no
-        `Problem`)."""
+        """Count `count` more problems of `code` at `severity` about `file` (whose fix is
+        `fix`; None: several files) in its summary, without listing them (for a caller that
+        found `full` true and built no `Problem`)."""
         key = (code, severity)
         summary = self._summaries.get(key)
         if summary is None:
             summary = ProblemSummary(code=code, message="", file=file, severity=severity, fix=fix)
             self._summaries[key] = summary
             super().append(summary)
-        summary.count(1, file)
+        summary.count(count, file)
 
     def append(self, problem: Problem) -> None:
         key = (problem.code, problem.severity)

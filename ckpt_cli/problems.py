@@ -167,6 +167,12 @@ CODES: dict[str, Code] = _codes(
         "a chunk entry of `.metadata` (or of the safetensors serialization's "
         "sharding info) is malformed",
     ),
+    Code(
+        "dcp_bad_planner_data",
+        _E,
+        "`.metadata`'s `planner_data` places an entry at a key path that does not spell "
+        "its name (torch's loaders without a template refuse it)",
+    ),
     Code("dcp_chunk_out_of_bounds", _E, "a chunk reaches past its tensor's shape"),
     Code(
         "dcp_coverage", _E, "a tensor's chunks cannot cover it (a 0-dim tensor with several chunks)"

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from .hub_server import TestHub
 
@@ -1173,3 +1173,142 @@ def test_a_sparse_4_gib_manifest_of_a_pulled_copy_is_never_read_whole(
     assert again.peak_rss < 1 << 30 and again.cpu_s < CPU_LIMIT
     assert again.json["result"]["checkpoints"][0]["action"] == "downloaded"
     assert manifest.stat().st_size < 1 << 20
+
+
+def _zero2_save(run: Path, dp_world_size: int) -> None:
+    """A ZeRO-2 tag folder of one rank (`global_step12/` + `latest`) whose model states record
+    `dp_world_size`."""
+    model = torch.nn.Linear(4, 2)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    tag = run / "global_step12"
+    tag.mkdir(parents=True)
+    (run / "latest").write_text("global_step12")
+    ds_config = {"zero_optimization": {"stage": 2}}
+    torch.save(
+        {
+            "module": model.state_dict(),
+            "buffer_names": [],
+            "param_shapes": [{"weight": torch.Size([2, 4]), "bias": torch.Size([2])}],
+            "global_steps": 12,
+            "dp_world_size": dp_world_size,
+            "mp_world_size": 1,
+            "ds_config": ds_config,
+        },
+        tag / "mp_rank_00_model_states.pt",
+    )
+    torch.save(
+        {
+            "optimizer_state_dict": {
+                "single_partition_of_fp32_groups": [flat],
+                "group_paddings": [0],
+                "partition_count": [1],
+            },
+            "ds_config": ds_config,
+        },
+        tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    )
+
+
+def test_a_zero_save_recording_a_trillion_ranks_is_refused_not_listed(tmp_path: Path) -> None:
+    # dp_world_size names every rank whose partition must be there: a 2 KB model-states file
+    # recording 10**12 made verify (and latest, prune) list 10**12 file names
+    _zero2_save(tmp_path / "ok", 1)
+    assert ckpt_limited("verify", tmp_path / "ok").exit_code == 0
+    run = tmp_path / "run"
+    _zero2_save(run, 10**12)
+    model_states = run / "global_step12" / "mp_rank_00_model_states.pt"
+    assert_refused(ckpt_limited("verify", run), model_states, "1,000,000,000,000")
+    # the run folder's judge reads the same count from the pickle's opcodes: no complete save
+    latest = ckpt_limited("latest", run)
+    assert_refused(latest, model_states, "1,000,000,000,000", exit_code=latest.exit_code)
+    assert latest.exit_code in (1, 3, 4), latest.stderr
+
+
+@pytest.mark.parametrize(
+    ("original", "numbered"),
+    [
+        ("random_states_0.pkl", "random_states_99999999999.pkl"),  # a rank
+        ("scheduler.bin", "scheduler_99999999999.bin"),  # an object index
+        ("scheduler.bin", "scheduler_1048576.bin"),  # one check per lower index: quadratic
+    ],
+)
+def test_a_file_numbered_past_any_run_is_refused_not_counted_up_to(
+    tmp_path: Path, original: str, numbered: str
+) -> None:
+    # accelerate numbers each rank's RNG file and each object's state: every lower number
+    # must be there too. One copied file named for rank 10**11 made verify check (and report
+    # missing) every rank below it, until killed.
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer)
+    accelerator.prepare(model, optimizer, scheduler)
+    save = tmp_path / "step-3"
+    accelerator.save_state(str(save))
+    assert ckpt_limited("verify", save).exit_code == 0
+    shutil.copy(save / original, save / numbered)
+    assert_refused(ckpt_limited("verify", save), save / numbered, "corrupt or crafted")
+    judged = ckpt_limited("latest", tmp_path)
+    assert_refused(judged, save / numbered, exit_code=judged.exit_code)
+    assert judged.exit_code in (3, 4), judged.stderr
+
+
+def test_shards_numbered_as_sets_of_99999_are_counted_not_listed(tmp_path: Path) -> None:
+    # with no index, `x-00001-of-99999.safetensors` says 99,998 more shards of its save are
+    # missing: 40 such files of 100 bytes each made verify build and describe 4 million names
+    # (60 of them: 107 s and 0.9 GB)
+    for i in range(40):
+        save_file({f"t{i}": torch.ones(1)}, str(tmp_path / f"m{i}-00001-of-99999.safetensors"))
+    run = ckpt_limited("verify", tmp_path, "--json")
+    assert run.exit_code == 1, run.stderr
+    problems = json.loads(run.stdout)["result"]["problems"]
+    assert [p["code"] for p in problems] == ["missing_shard"] * 101
+    assert problems[0]["file"] == str(tmp_path / "m0-00002-of-99999.safetensors")
+    assert "3,999,820 more missing_shard" in problems[-1]["message"], problems[-1]
+    assert run.peak_rss < 1 << 30 and run.cpu_s < 30, (run.peak_rss, run.cpu_s)
+
+
+def test_doctor_names_a_few_of_the_ranks_an_rng_key_numbered_past_any_run_lacks(
+    tmp_path: Path,
+) -> None:
+    # a save holding rank N's RNG state had N + 1 ranks: a 10 KB torch.save keyed
+    # `rank_99999999999` made doctor list the 10**11 ranks it lacks (MemoryError, exit 70)
+    model = torch.nn.Linear(2, 2)
+    rng = {"torch_cpu": torch.get_rng_state()}
+    state = {"model": model.state_dict(), "rng": {"rank_0": rng, "rank_99999999999": rng}}
+    torch.save(state, tmp_path / "step-1.pt")
+    run = ckpt_limited("doctor", tmp_path / "step-1.pt", "--json")
+    assert run.exit_code == 1, run.stdout + run.stderr
+    cause = json.loads(run.stdout)["result"]["causes"][0]
+    assert cause["id"] == "rng_ranks_missing", cause
+    assert "none for ranks 1, 2, 3, 4, 5, 6, 7, 8 and 99,999,999,990 more" in cause["evidence"][0]
+    assert run.peak_rss < 1 << 30, run.peak_rss
+
+
+def test_an_expert_numbered_past_any_model_is_refused_by_convert(tmp_path: Path) -> None:
+    # stacking a layer's experts for torchtitan lists every expert number below the highest:
+    # one renamed to `experts.99999999999` made convert build 10**11 of them (MemoryError)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=40,
+    )
+    hf = tmp_path / "hf"
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(hf)
+    state = load_file(hf / "model.safetensors")
+    for proj in ("gate", "up", "down"):
+        old, new = (f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight" for e in (3, 99999999999))
+        state[new] = state.pop(old)
+    save_file(state, hf / "model.safetensors", metadata={"format": "pt"})
+    run = ckpt_limited("convert", hf, tmp_path / "titan", "--to", "torchtitan")
+    assert_refused(run, hf, "100,000,000,000 experts", "experts.99999999999.gate_proj")
+    assert not (tmp_path / "titan").exists()

@@ -877,3 +877,31 @@ def test_inspect_names_a_saved_set_by_its_python_3_type(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.stderr
     (entry,) = [e for e in result.json["result"]["entries"] if e["name"] == "seen"]
     assert entry["py_type"] == "set", entry
+
+
+def test_planner_data_that_does_not_place_an_entry_is_found_as_torch_loaders_refuse_it(
+    tmp_path: Path,
+) -> None:
+    # `.metadata` records where each entry sits in the nested state dict (`planner_data`);
+    # torch's loaders without a template (`dcp_to_torch_save`, `_load_state_dict_from_keys`,
+    # FSDP's optimizer loading) rebuild the state dict from it. One bit flipped in a memo
+    # index of the pickle made it name a path that spells another entry (or a dict): a
+    # well-formed pickle whose checkpoint those loaders refuse, and verify called OK.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = tmp_path / "step-10"
+    dcp_save({"model": {"w": torch.ones(2, 3)}, "step": 3}, path)
+    metadata = torch_metadata(path)
+    assert metadata.planner_data["model.w"] == ("model", "w")
+    metadata.planner_data["model.w"] = ("model", "x")
+    write_metadata(path, metadata)
+    with pytest.raises(BaseException, match=r"model\.x"):  # torch's CheckpointException
+        dcp_to_torch_save(str(path), str(tmp_path / "out.pt"))
+
+    found = run_ckpt("verify", path, "--json")
+    assert found.exit_code == 1, found.stderr
+    errors = [p for p in json.loads(found.stdout)["result"]["problems"] if p["severity"] == "error"]
+    assert [(p["code"], p["tensor"]) for p in errors] == [("dcp_bad_planner_data", "model.w")]
+    assert "('model', 'x')" in errors[0]["message"] and errors[0]["file"].endswith(".metadata")
+    refused = run_ckpt("inspect", path)
+    assert refused.exit_code == 4 and "'model.w'" in refused.stderr, refused.stderr

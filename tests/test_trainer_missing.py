@@ -10,6 +10,8 @@ import shutil
 import warnings
 from pathlib import Path
 
+import pytest
+
 from .conftest import run_ckpt
 
 
@@ -328,3 +330,28 @@ def test_a_trainer_state_whose_global_step_is_no_count_fails_verify_and_is_no_la
     assert "global_step 'ten'" in problems[0]["message"]
     latest = run_ckpt("latest", run, "--json")
     assert latest.json["result"]["latest"] == str(run / "checkpoint-1"), latest.stdout
+
+
+def test_a_trainer_state_whose_global_step_key_was_damaged_is_no_resume(tmp_path: Path) -> None:
+    # one flipped byte turns `global_step` into `global_stdp`: the Trainer's resume fails on
+    # the key it does not know (and with the key gone, it would start over at step 0 with this
+    # save's optimizer); verify called the save resumable and latest chose it
+    from .run_fixtures import trainer_checkpoint
+
+    transformers = pytest.importorskip("transformers")
+    save = tmp_path / "checkpoint-100"
+    trainer_checkpoint(save, 100)
+    state = json.loads((save / "trainer_state.json").read_text())
+    state["global_stdp"] = state.pop("global_step")
+    (save / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(TypeError, match="global_stdp"):
+        transformers.TrainerState.load_from_json(str(save / "trainer_state.json"))
+
+    found = run_ckpt("verify", save, "--resumable", "--json")
+    assert found.exit_code == 1, found.stdout
+    errors = [p for p in found.json["result"]["problems"] if p["severity"] == "error"]
+    assert [(p["code"], p["file"]) for p in errors] == [
+        ("unreadable_component", str(save / "trainer_state.json"))
+    ], errors
+    assert "global_step" in errors[0]["message"]
+    assert run_ckpt("latest", tmp_path).exit_code != 0

@@ -1102,3 +1102,33 @@ def test_a_cache_snapshot_whose_weights_blob_is_gone_names_the_broken_link(
         in (error["problem"])
     )
     assert "hf download" in error["fix"]
+
+
+def test_deep_verify_of_a_training_folder_checks_its_torch_files_as_torch_load_reads_them(
+    tmp_path: Path,
+) -> None:
+    # `verify --deep` of one torch.save file checks its zip as torch's own reader reads it;
+    # of an accelerate `save_state` folder it skipped that for every component, so one byte
+    # flipped in random_states_0.pkl's zip directory (a record name) was OK in the folder and
+    # corrupt alone, and accelerate's `load_state` (torch.load) fails on it
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    accelerator.prepare(model, optimizer)
+    save = tmp_path / "step-3"
+    accelerator.save_state(str(save))
+    rng = save / "random_states_0.pkl"
+    data = bytearray(rng.read_bytes())
+    at = data.rindex(b"random_states_0/.storage_alignment")  # in the zip directory
+    data[at + 9] = ord("`")
+    rng.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="not in a subdirectory"):
+        torch.load(rng, weights_only=False)
+
+    alone = run_ckpt("verify", rng, "--deep")
+    assert alone.exit_code == 1 and "corrupt_data" in alone.stdout, alone.stdout
+    folder = run_ckpt("verify", save, "--deep", "--json")
+    assert folder.exit_code == 1, folder.stdout
+    errors = [p for p in folder.json["result"]["problems"] if p["severity"] == "error"]
+    assert [(p["code"], p["file"]) for p in errors] == [("corrupt_data", str(rng))], errors

@@ -223,3 +223,27 @@ def test_a_shard_reached_through_a_linked_folder_out_of_the_checkpoint_is_refuse
     assert "link that points outside the checkpoint" in codes["unsafe_input"]
     inspect = run_ckpt("inspect", model)
     assert inspect.exit_code == 4 and "points outside the checkpoint" in inspect.stderr
+
+
+@pytest.mark.parametrize("tail", ["/", "/."])
+def test_a_shard_name_that_only_names_a_folder_is_a_bad_index(
+    saved: tuple[str, Path], tail: str
+) -> None:
+    """`model-00001-of-00003.safetensors/` is the shard to ckpt's normalised paths, but loaders
+    join it to the folder as written (`os.path.join`), and a file opened as a folder fails:
+    verify called the checkpoint OK that `from_pretrained` cannot load."""
+    fmt, folder = saved
+    index = index_of(fmt, folder)
+    shard = index["weight_map"]["norm.weight"]
+    index["weight_map"] = {
+        name: f"{file}{tail}" if file == shard else file
+        for name, file in index["weight_map"].items()
+    }
+    write_index(fmt, folder, index)
+    with pytest.raises(NotADirectoryError):
+        open(f"{folder}/{shard}{tail}", "rb")  # what safe_open and torch.load are given
+    code, found = verify(folder)
+    assert code == 1
+    errors = [p for p in found if p["severity"] == "error"]
+    assert [(p["code"], p["file"]) for p in errors] == [("bad_index", str(folder / INDEXES[fmt]))]
+    assert repr(f"{shard}{tail}") in errors[0]["message"], errors[0]["message"]

@@ -54,6 +54,22 @@ class TensorReads(Protocol):
         """The box `offsets`/`sizes` of tensor `name`."""
 
 
+#: experts a layer may hold (the largest MoE models have a few hundred): every expert number
+#: below the highest is mapped, so a tensor named or shaped for 10**11 chose the work
+MAX_EXPERTS = 1 << 16
+
+
+def _check_expert_count(count: int, what: str) -> None:
+    """FormatError when a layer's expert count, as `what` says it, is past `MAX_EXPERTS`."""
+    if count > MAX_EXPERTS:
+        raise FormatError(
+            f"{what}: more than the {MAX_EXPERTS:,} experts a layer may hold in ckpt (no model "
+            "has that many: a corrupt or crafted checkpoint or config.json)",
+            fix="Convert a checkpoint as its framework saved it (every expert numbered from 0), "
+            "with the config.json its model was saved with.",
+        )
+
+
 #: the naming every architecture maps to and from (transformers' `from_pretrained` names)
 HF = "hf"
 #: framework namings a family may declare beside `hf`
@@ -447,6 +463,7 @@ class Experts(TensorRule):
             target = self.hf[0]
             for m in matches:
                 experts, rest = m.shape[0], m.shape[1:]
+                _check_expert_count(experts, f"{m.name!r} stacks {experts:,} experts")
                 for e in range(experts):
                     out.append(
                         MappedTensor(
@@ -469,6 +486,8 @@ class Experts(TensorRule):
             # the model's expert count (its router's rows, config.json's num_experts): a
             # layer whose last experts are missing is as incomplete as one with a gap
             count = max(int(args.num_experts or 0), max(stack) + 1)
+            highest = self.hf[0].format(**dict(key), expert=max(stack))
+            _check_expert_count(count, f"{count:,} experts (the model's, or {highest!r})")
             missing = [e for e in range(count) if e not in stack]
             if missing:
                 lacking = self.hf[0].format(**dict(key), expert=missing[0])

@@ -9,9 +9,11 @@ that the index does not list).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +89,16 @@ def read_index(storage: Storage, rel: str) -> tuple[dict[str, str], dict[str, An
 def _shard_name(shard: str, where: str) -> str:
     """`safe_relpath` of a shard the index names, which must name a file, not the folder."""
     name = safe_relpath(shard, source=where)
+    if name != "." and shard.endswith(("/", "/.")):
+        # loaders join the name to the folder as written (`os.path.join`), and a file opened
+        # as a folder fails (ENOTDIR), where the normalised name reads the shard
+        raise FormatError(
+            f"names the shard {shard!r}, a folder's name (it ends in {shard[-1]!r}): "
+            "from_pretrained and safe_open cannot open a file by it",
+            path=where,
+            fix="Write the index again (save_pretrained writes it with the shards), or drop the "
+            "trailing characters from the shard names in its weight_map.",
+        )
     if name == ".":
         raise FormatError(
             f"names the checkpoint folder itself ({shard!r}) as a shard file",
@@ -243,23 +255,32 @@ def report_missing_shard(
 _NUMBERED = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?P<suffix>\.[a-z]+)$")
 
 
-def missing_numbered_shards(names: list[str]) -> list[str]:
+def missing_numbered_shards(names: list[str], limit: int) -> tuple[list[str], int]:
     """The shards a numbered set lacks, among `names` of a folder with no index: with
     `model-00002-of-00003.safetensors` there, `model-00001-of-00003.safetensors` and
     `model-00003-of-00003.safetensors` are part of the same save. A filtered download leaves
-    such a set (in the HF cache: shards, no index), which reads as a smaller checkpoint."""
+    such a set (in the HF cache: shards, no index), which reads as a smaller checkpoint.
+
+    Returns the first `limit` of them in name order, and how many there are in all: each
+    name `-00001-of-99999` says 99,998 more, so only those listed are built."""
     sets: dict[tuple[str, int, str], set[int]] = {}
     for name in names:
         match = _NUMBERED.match(name)
         if match is not None and 0 < int(match["i"]) <= int(match["n"]):
             key = (match["stem"], int(match["n"]), match["suffix"])
             sets.setdefault(key, set()).add(int(match["i"]))
-    return sorted(
-        f"{stem}-{i:05d}-of-{count:05d}{suffix}"
-        for (stem, count, suffix), present in sets.items()
-        for i in range(1, count + 1)
-        if i not in present
-    )
+    # within a set the zero-padded names sort as their numbers: merge the sets' runs in order
+    runs = [_lacking(key, present) for key, present in sets.items()]
+    listed = list(itertools.islice(heapq.merge(*runs), limit))
+    return listed, sum(count - len(present) for (_, count, _), present in sets.items())
+
+
+def _lacking(key: tuple[str, int, str], present: set[int]) -> Iterator[str]:
+    """The names of a numbered set's shards not `present`, in order."""
+    stem, count, suffix = key
+    for i in range(1, count + 1):
+        if i not in present:
+            yield f"{stem}-{i:05d}-of-{count:05d}{suffix}"
 
 
 def report_bad_index(findings: Findings, error: CkptError) -> None:

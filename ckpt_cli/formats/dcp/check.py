@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import reprlib
 from typing import Any
 
 from ... import dtypes
@@ -39,6 +40,7 @@ from .metadata import (
     TensorStorageMetadata,
     load_metadata,
     over_budget,
+    planner_keys,
 )
 from .peek import SavedTensor, peek_saved_object, peek_saved_tensor
 from .raw import locate_raw_chunks
@@ -195,6 +197,8 @@ def _analyse_unpaused(source: Source) -> Layout:
         md.storage_data.clear()
     layout.planner_data = md.planner_data
     layout.version = md.version if isinstance(md.version, str) else None
+    planner = md.planner_data if isinstance(md.planner_data, dict) else {}
+    blamed = METADATA if METADATA in listing else None
     pending: list[PendingTensor] = []
     for fqn, item in sdm.items():
         if not isinstance(fqn, str):
@@ -203,6 +207,8 @@ def _analyse_unpaused(source: Source) -> Layout:
                 path=where,
                 fix=CORRUPT_METADATA_FIX,
             )
+        if fqn in planner:
+            _check_planner_path(layout, planner[fqn], fqn, blamed)
         if isinstance(item, BytesStorageMetadata):
             items.add_object(fqn)
         elif isinstance(item, TensorStorageMetadata):
@@ -217,6 +223,24 @@ def _analyse_unpaused(source: Source) -> Layout:
     check_coverage(layout)
     read_megatron_common(storage, listing, layout)
     return layout
+
+
+def _check_planner_path(layout: Layout, path: Any, fqn: str, blamed: str | None) -> None:
+    """A problem when `path`, the `planner_data` of entry `fqn`, is no key path that spells
+    `fqn` (`("optim", "param_groups", 0, "lr")` for `optim.param_groups.0.lr`), the only kind
+    `dcp.save` records: torch's loaders that rebuild the state dict from `.metadata`
+    (`dcp_to_torch_save`, `_load_state_dict_from_keys`, FSDP's optimizer loading) place the
+    entry there and then find no entry of that name, or fail on a path that is no path."""
+    if path == (fqn,) or planner_keys(path, fqn) is not None:
+        return
+    layout.problem(
+        "dcp_bad_planner_data",
+        f"records {reprlib.repr(path)} as the place of {fqn!r} in the saved state dict, which "
+        "is no key path that spells that name: torch's loaders that rebuild the state dict "
+        "from .metadata (`dcp_to_torch_save`, FSDP's optimizer loading) refuse the checkpoint",
+        file=blamed,
+        tensor=fqn,
+    )
 
 
 def _refuse_without_metadata(source: Source, listing: dict[str, int]) -> None:

@@ -41,6 +41,7 @@ _COMMON_FIX = f"Copy {MEGATRON_COMMON} again from the save."
 #: the fix of each problem a DCP (or Megatron-Core torch_dist) check finds, by its code
 PROBLEM_FIXES = {
     "dcp_bad_chunk": CORRUPT_METADATA_FIX,
+    "dcp_bad_planner_data": CORRUPT_METADATA_FIX,
     "dcp_chunk_out_of_bounds": CORRUPT_METADATA_FIX,
     "dcp_coverage": CORRUPT_METADATA_FIX,
     "dcp_hole": CORRUPT_METADATA_FIX,

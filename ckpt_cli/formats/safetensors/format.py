@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ... import dtypes
 from ...errors import CkptError, FormatError, NotFoundError
 from ...findings import Findings
-from ...models import Entry, FileInfo, Manifest, Problem, TensorFacts
+from ...models import MAX_EXAMPLES, Entry, FileInfo, Manifest, Problem, TensorFacts
 from ...storage.fileio import Durable, FileRange, fsync_soon, open_output
 from ..base import NAMES_FIX, SINGLE_FILE_FIX, Checkpoint, Format, Source, WriteOptions, Writer
 from ..details import SafetensorsDetails
@@ -286,15 +286,20 @@ class SafetensorsFormat(Format):
             if not shards:
                 findings.error(_no_safetensors(source))
                 return findings.problems
-            for gone in missing_numbered_shards(shards):
+            gone, count = missing_numbered_shards(shards, MAX_EXAMPLES)
+            fix = (
+                "Fetch or copy the whole save again (with its index), or point at the shard "
+                "you mean."
+            )
+            for name in gone:
                 findings.add(
                     "missing_shard",
                     "is missing: the shards here are numbered as one save of more files, "
                     "and no index says which tensors the others held",
-                    file=storage.describe(gone),
-                    fix="Fetch or copy the whole save again (with its index), or point at "
-                    "the shard you mean.",
+                    file=storage.describe(name),
+                    fix=fix,
                 )
+            findings.add_counted("missing_shard", count - len(gone), fix=fix)
         contents: dict[str, ShardContents] = {}
         present = [s for s in shards if s in listing]
         prefetch_headers(storage, present, weight_map)

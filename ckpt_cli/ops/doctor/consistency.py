@@ -4,6 +4,7 @@ had)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from .models import Cause
@@ -167,18 +168,24 @@ def _rng_ranks(save: Save) -> tuple[list[str], str]:
         return [f"world size {fmt(world)} recorded, RNG states for {have} rank(s)"], _RANKS_FIX
     # ranks are numbered from 0: a save holding rank N's state had N + 1 ranks at least
     ranks = sorted(int(r) for r in save.rng_groups)
-    missing = [r for r in range(ranks[-1] + 1) if r not in ranks] if ranks else []
-    if not missing:
+    lacking = ranks[-1] + 1 - len(ranks) if ranks else 0
+    if not lacking:
         return [], _RANKS_FIX
+    # a key may number any rank (`rank_99999999999`): the first few lacking are named
+    held = set(ranks)
+    shown = list(itertools.islice((r for r in itertools.count() if r not in held), 8))
+    lost = ", ".join(str(r) for r in shown)
+    if lacking > len(shown):
+        lost += f" and {lacking - len(shown):,} more"
     files = sorted({e.file for r in ranks for e in save.rng_groups[str(r)] if e.file})
-    lost = ", ".join(str(r) for r in missing)
+    plural = "s" if lacking > 1 else ""
     return [
         f"RNG states for {_ranks(save)}"
         + (f" ({', '.join(files)})" if files else "")
-        + f", none for rank{'s' if len(missing) > 1 else ''} {lost}: ranks are numbered "
-        f"from 0, so the run had {ranks[-1] + 1} at least"
+        + f", none for rank{plural} {lost}: ranks are numbered "
+        f"from 0, so the run had {ranks[-1] + 1:,} at least"
     ], (
-        f"{save.name} lost the RNG state of rank{'s' if len(missing) > 1 else ''} {lost} (a "
+        f"{save.name} lost the RNG state of rank{plural} {lost} (a "
         f"file written beside {', '.join(files) or 'the others'}): restore it from a copy of "
         f"{save.name} (its object-store copy, a backup), or resume from a save that holds "
         "every rank's RNG state; resumed as it is, those ranks draw fresh random numbers."

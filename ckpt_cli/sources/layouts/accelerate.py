@@ -29,7 +29,7 @@ from ...formats.names import (
     index_format,
     weight_format,
 )
-from ...models import Problem
+from ...models import Problem, ProblemList
 from .base import Layout, OpenedSource
 from .composite import (
     FSDP_MODEL,
@@ -41,7 +41,13 @@ from .composite import (
     numbered,
 )
 from .model_folders import saved_model_folders
-from .ranks import missing_rank_files, missing_rank_states, ranks_lost_since, saved_world
+from .ranks import (
+    check_file_number,
+    missing_rank_files,
+    missing_rank_states,
+    ranks_lost_since,
+    saved_world,
+)
 from .save_before import LOST_SINCE_FIX, lost_since, save_before
 from .training import all_models, analyse, finish, per_rank_models, value_of, weights_summary
 
@@ -440,12 +446,14 @@ def _missing_objects(source: Source, folder: Folder) -> list[Problem]:
     and optimizers' state in its own folders: only its schedulers and objects are checked."""
     saved = _saved_objects(folder)
     deepspeed = _deepspeed_states(source)
-    problems: list[Problem] = []
+    problems: list[Problem] = ProblemList()  # bounded: see `ProblemList`
+    said: set[str] = set()
 
     def lost(kind: str, index: int, name: str, why: str) -> None:
         where = source.storage.describe(folder.rel(name.rstrip("/")))
-        if any(p.file == where for p in problems):
+        if where in said:
             return  # model i: below the highest and its FSDP optimizer's, said once
+        said.add(where)
         problems.append(
             Problem(
                 code="missing_component",
@@ -461,6 +469,7 @@ def _missing_objects(source: Source, folder: Folder) -> list[Problem]:
         if not present or (deepspeed and kind in ("model", "optimizer")):
             continue
         top = max(present)
+        check_file_number(top, source.storage.describe(folder.rel(present[top].rstrip("/"))))
         shape = next(
             (sh for sh in shapes if _shape_name(sh, top) == present[top]),
             None,

@@ -16,7 +16,7 @@ from ...budgets import json_record_over_budget
 from ...errors import REPORT_BUG, CkptError, FormatError, NotFoundError
 from ...faults import no_verdict
 from ...formats import get_format
-from ...formats.base import NAMES_FIX, Checkpoint, Source
+from ...formats.base import NAMES_FIX, Checkpoint, RecordedDamage, Source
 from ...formats.names import DCP_DATA_SUFFIX, DCP_METADATA, weight_format
 from ...formats.weight_map import INDEX_SUFFIX
 from ...models import Entry, FileInfo, Manifest, Problem, TrainingState
@@ -263,6 +263,21 @@ class CompositeCheckpoint(Checkpoint):
             return self._padding[name]
         checkpoint, inner = self._target(name)
         return checkpoint.padding(inner)
+
+    def recorded_checksum_errors(self) -> Iterator[RecordedDamage]:
+        """Each component's own (its torch.save zips as torch's reader reads them, its DCP
+        blobs), its entries named as this folder names them."""
+        names = {(id(checkpoint), inner): name for name, (checkpoint, inner) in self._route.items()}
+        seen: set[int] = set()
+        for checkpoint in self.components.values():
+            if id(checkpoint) in seen:
+                continue
+            seen.add(id(checkpoint))
+            for damage in checkpoint.recorded_checksum_errors():
+                tensor = damage.tensor
+                if tensor is not None:
+                    tensor = names.get((id(checkpoint), tensor), tensor)
+                yield RecordedDamage(damage.error, tensor)
 
     def close(self) -> None:
         for checkpoint in self.components.values():

@@ -13,8 +13,9 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from ...errors import FormatError
 from ...formats.base import Source
-from ...models import Problem
+from ...models import Problem, ProblemList
 from .base import Layout
 from .composite import (
     FSDP_MODEL,
@@ -25,6 +26,22 @@ from .composite import (
     rank_component,
 )
 from .save_before import LOST_SINCE_FIX
+
+#: the numbers a file name may give a rank or an object (`random_states_N.pkl`,
+#: `scheduler_N.bin`): the largest runs use about 100,000 processes, and every lower number is
+#: checked for its file (a copy named for rank 10**11 made verify check 10**11)
+MAX_FILE_NUMBER = 1 << 20
+
+
+def check_file_number(number: int, file: str) -> None:
+    """FormatError naming `file` when its name numbers a rank or object past `MAX_FILE_NUMBER`."""
+    if number >= MAX_FILE_NUMBER:
+        raise FormatError(
+            f"is numbered {number:,} (a rank or an object), past the {MAX_FILE_NUMBER:,} ckpt "
+            "checks every lower number of: no run writes it (a corrupt or crafted file name)",
+            path=file,
+            fix="Remove the file, or give it back the name its framework wrote, and run again.",
+        )
 
 
 def missing_rank_files(
@@ -38,6 +55,7 @@ def missing_rank_files(
         for name in folder.matching(regex.pattern):
             match = regex.fullmatch(name)
             assert match is not None
+            check_file_number(int(match.group(2)), source.storage.describe(folder.rel(name)))
             groups.setdefault((obj, int(match.group(1) or 0)), {})[int(match.group(2))] = name
     if not groups:
         return []
@@ -47,6 +65,7 @@ def missing_rank_files(
             match = rank_state.fullmatch(name)
             if match:
                 ranks.add(int(match.group(1) or 0))
+                check_file_number(max(ranks), source.storage.describe(folder.rel(name)))
     world = max(ranks) + 1
     problems: list[Problem] = []
     for (obj, index), files in sorted(groups.items()):
@@ -108,6 +127,7 @@ def saved_world(source: Source, folder: Folder, layout: Layout) -> SavedRanks:
 
     def saw(ranks: int, name: str, what: str) -> None:
         nonlocal world, why
+        check_file_number(ranks - 1, source.storage.describe(folder.rel(name)))
         if ranks > world:
             world, why = ranks, f"{name} {what}"
 
@@ -225,7 +245,7 @@ def missing_rank_states(
     if not have and not every_save:
         return []
     saved = saved_world(source, folder, layout)
-    problems: list[Problem] = []
+    problems: list[Problem] = ProblemList()  # bounded: see `ProblemList`
     for rank in range(saved.world):
         if rank in have or (not have and rank not in saved.with_data):
             continue  # with none here, only a rank's own data files say it saved here

@@ -416,6 +416,22 @@ def _foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
     except (UnicodeDecodeError, ValueError, RecursionError):
         return []
     step = doc.get("global_step") if isinstance(doc, dict) else None
+    if isinstance(doc, dict) and "global_step" not in doc:
+        # every Trainer writes it (`TrainerState` dumps all its fields): a key damaged in
+        # place (`global_stdp`) fails `TrainerState.load_from_json`, and without it the
+        # resume would restart at step 0 with this save's optimizer and scheduler
+        return [
+            Problem(
+                code="unreadable_component",
+                message="records no global_step, which every Trainer writes: the Trainer's "
+                "`resume_from_checkpoint` cannot restart from it (a damaged key fails "
+                "`TrainerState.load_from_json`; a missing one restarts at step 0)",
+                file=source.storage.describe(rel),
+                fix="Put back the trainer_state.json written with this save (from a copy of the "
+                "checkpoint), or resume from another checkpoint of the run (`ckpt latest "
+                "RUN_DIR` names the newest whole one).",
+            )
+        ]
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         # `TrainerState.load_from_json` takes any value; the resume then divides it by the
         # steps of an epoch and skips that many batches

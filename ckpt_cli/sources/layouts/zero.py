@@ -226,13 +226,19 @@ def _positive(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+#: data-parallel x model-parallel ranks a ZeRO save may record: the largest runs use about
+#: 100,000 GPUs, and each rank named is a file name listed (10**12 from a 2 KB model states)
+MAX_ZERO_RANKS = 1 << 20
+
+
 def expected_partitions(
-    base: str, files: set[str], saved: SavedSizes
+    base: str, files: set[str], saved: SavedSizes, where: str
 ) -> tuple[int, int | None, int, list[str]] | None:
     """(stage, dp_world_size, mp_world_size, the files every rank's partition needs) of the
     ZeRO save in tag folder `base`, among `files` (paths of the run or tag folder), from what
-    its model states record (`saved`); None for ZeRO stage 0. Without a recorded
-    dp_world_size only the ranks present are expected."""
+    its model states `where` record (`saved`); None for ZeRO stage 0. Without a recorded
+    dp_world_size only the ranks present are expected. FormatError naming `where` when the
+    ranks recorded are more than `MAX_ZERO_RANKS`."""
     present_optim = {r for r in files if r.startswith(base) and _OPTIM.fullmatch(r)}
     present_model3 = {r for r in files if r.startswith(base) and _MODEL3.fullmatch(r)}
     stage: int | None = None
@@ -245,6 +251,15 @@ def expected_partitions(
     if not stage:
         return None
     dp, mp = _positive(saved.dp), _positive(saved.mp) or 1
+    if (dp or 1) * mp > MAX_ZERO_RANKS:
+        raise FormatError(
+            f"records {(dp or 1) * mp:,} ranks (dp_world_size {dp or 1:,} x mp_world_size "
+            f"{mp:,}), more than the {MAX_ZERO_RANKS:,} ckpt lists the partitions of; no run "
+            "has used that many (a corrupt or crafted file)",
+            path=where,
+            fix="Copy the checkpoint again from where the run saved it, or resume from an "
+            "earlier checkpoint of the run (`ckpt latest RUN_DIR` names the newest whole one).",
+        )
     if dp is None:
         found = (
             _OPTIM.fullmatch(r) or _MODEL3.fullmatch(r) for r in present_optim | present_model3
@@ -316,14 +331,15 @@ def zero_partitions(
     if model is None:
         return None
     files = set(source.files)
-    plan = expected_partitions(base, files, _saved_sizes(model))
+    model_file = next(
+        (rel for comp, (rel, _) in parts.items() if components.get(comp) is model), "model states"
+    )
+    saved = _saved_sizes(model)
+    plan = expected_partitions(base, files, saved, source.storage.describe(model_file))
     if plan is None:
         return None  # ZeRO stage 0: the optimizer lives in the model states
     stage, dp, mp, expected = plan
     where = source.storage.describe(base.rstrip("/") or ".")
-    model_file = next(
-        (rel for comp, (rel, _) in parts.items() if components.get(comp) is model), "model states"
-    )
     problems: list[Problem] = ProblemList()  # bounded: see `ProblemList`
     if dp is None:
         problems.append(

@@ -663,7 +663,10 @@ def _zero_partition_problem(storage: Storage, folder: str, files: Mapping[str, i
         no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return f"{storage.describe(model)}: truncated or corrupt torch.save file ({exc})"
     saved = SavedSizes(dp=sizes.get("dp_world_size"), mp=sizes.get("mp_world_size"))
-    plan = expected_partitions(f"{folder}/", set(files), saved)
+    try:
+        plan = expected_partitions(f"{folder}/", set(files), saved, storage.describe(model))
+    except CkptError as exc:  # more ranks than any run: no save to resume
+        return exc.stated
     missing = [rel for rel in plan[3] if rel not in files] if plan else []
     if not missing:
         return None
