@@ -1312,3 +1312,22 @@ def test_an_expert_numbered_past_any_model_is_refused_by_convert(tmp_path: Path)
     run = ckpt_limited("convert", hf, tmp_path / "titan", "--to", "torchtitan")
     assert_refused(run, hf, "100,000,000,000 experts", "experts.99999999999.gate_proj")
     assert not (tmp_path / "titan").exists()
+
+
+def test_diff_reads_no_config_json_of_gigabytes(tmp_path: Path) -> None:
+    """`diff` looks for tied weights in `config.json` when one side lacks a name: a sparse
+    config.json of 1.5 GB beside the weights was read whole (1.9 GB of memory). A config
+    past 16 MiB is none, as convert and export treat it."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    embed = {"model.embed_tokens.weight": torch.ones(4, 2)}
+    save_file(embed, tmp_path / "a" / "model.safetensors")
+    save_file({**embed, "lm_head.weight": torch.ones(4, 2)}, tmp_path / "b" / "model.safetensors")
+    with open(tmp_path / "a" / "config.json", "wb") as config:
+        config.truncate(1500 << 20)
+    run = ckpt_limited("diff", tmp_path / "a", tmp_path / "b")
+    assert run.exit_code == 1, run.stdout + run.stderr
+    assert "only in B (1): lm_head.weight" in run.stdout
+    assert run.peak_rss < 512 << 20, f"peak RSS {run.peak_rss:,}"

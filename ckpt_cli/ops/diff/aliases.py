@@ -125,7 +125,9 @@ def _input_embedding(tensors: dict[str, Any], prefix: str) -> str | None:
 def _config(checkpoint: Checkpoint) -> dict[str, Any] | None:
     storage = checkpoint.storage
     try:
-        if not storage.exists("config.json"):
+        # a model config is kilobytes: a larger one (a sparse file of gigabytes) is none,
+        # rather than read whole into memory
+        if not storage.exists("config.json") or storage.size("config.json") > 16 << 20:
             return None
         doc = json.loads(storage.read_all("config.json"))
     except (OSError, ValueError, UnicodeDecodeError):
