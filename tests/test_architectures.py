@@ -259,6 +259,31 @@ def test_a_deepseek_v3_cast_to_bf16_keeps_its_router_bias_in_float32(tmp_path: P
                 assert tensor.dtype == torch.float32 and torch.equal(tensor, original[name])
             else:
                 assert tensor.dtype == torch.bfloat16, name
+    # a float32 torchtitan save exported to HF in bf16: the router's gate stays as stored too
+    # (transformers' strict list, as `convert --dtype` of the HF folder itself keeps it), where
+    # it was rounded to bf16, which `from_pretrained(dtype=bf16)` then held upcast
+    tt32, out32 = tmp_path / "tt32", tmp_path / "out32"
+    assert run_ckpt("convert", tmp_path / "hf", tt32, "--to", "torchtitan").exit_code == 0
+    r = run_ckpt(
+        "convert",
+        tt32,
+        out32,
+        "--to",
+        "hf",
+        "--dtype",
+        "bf16",
+        "--config",
+        tmp_path / "config.json",
+    )
+    assert r.exit_code == 0, r.stderr
+    direct = tmp_path / "direct"
+    r = run_ckpt("convert", tmp_path / "hf", direct, "--to", "safetensors", "--dtype", "bf16")
+    assert r.exit_code == 0, r.stderr
+    exported, cast = _hf_tensors(out32), _hf_tensors(direct)
+    for name, tensor in exported.items():
+        assert tensor.dtype == cast[name].dtype and torch.equal(tensor, cast[name]), name
+        if name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, original[name]), name
 
 
 @pytest.mark.parametrize(

@@ -202,8 +202,12 @@ class DeepseekV3(Architecture):
     )
     # the router bias shifts the top-k choice by small amounts: DeepSeek's checkpoints,
     # transformers (`_keep_in_fp32_modules_strict`) and torchtitan (a float32 buffer) keep
-    # it in float32 beside bf16 weights
-    float32: ClassVar[Mapping[str, Sequence[str]]] = {HF: (_BIAS[0],), TITAN: (_BIAS[1],)}
+    # it in float32 beside bf16 weights; transformers (5) keeps the router's gate so too, so
+    # an HF output keeps it as stored (`convert --dtype` of an HF folder does the same)
+    float32: ClassVar[Mapping[str, Sequence[str]]] = {
+        HF: (_BIAS[0], _ROUTER[0]),
+        TITAN: (_BIAS[1],),
+    }
     # transformers' router always holds its correction bias; an export of a torchtitan MoE
     # without one writes the zeros it would route by (the same model)
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {
