@@ -173,7 +173,7 @@ def _rng_ranks(save: Save) -> tuple[list[str], str]:
         return [], _RANKS_FIX
     # a key may number any rank (`rank_99999999999`): the first few lacking are named
     held = set(ranks)
-    shown = list(itertools.islice((r for r in itertools.count() if r not in held), 8))
+    shown = list(itertools.islice((r for r in range(ranks[-1] + 1) if r not in held), 8))
     lost = ", ".join(str(r) for r in shown)
     if lacking > len(shown):
         lost += f" and {lacking - len(shown):,} more"
