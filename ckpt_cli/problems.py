@@ -294,7 +294,13 @@ CODES: dict[str, Code] = _codes(
         "`random_states_{N}.pkl`, Trainer `rng_state_{N}.pth`) is missing",
     ),
     Code("missing_rng", _EW, "no RNG state (an error with `--exact`)"),
-    Code("missing_scheduler", _EW, "no LR scheduler state (an error with `--exact`)"),
+    Code(
+        "missing_scheduler",
+        _EW,
+        "no LR scheduler state (an error with `--exact`); a run whose optimizer no torch "
+        "scheduler ever stepped (no `initial_lr` in its param groups: a constant learning "
+        "rate) lacks none",
+    ),
     Code("missing_step", _EW, "no step or epoch counter"),
     Code("missing_weights", _EW, "no model weights"),
     Code("not_resumable", _E, "no training state at all (weights only)"),
