@@ -41,13 +41,26 @@ def run() -> int:
     except SystemExit as exc:  # typer ends every command so, with its exit status
         code = _status(exc.code)
     except KeyboardInterrupt as exc:  # arrived outside a command (imports, argument parsing)
+        code = _early_interruption(exc)
+    except Exception:
         from . import faults
-        from .cli.render import emit_early_interruption
 
-        error = faults.interruption(exc)
-        emit_early_interruption(error, sys.argv[1:])
-        code = error.exit_code
+        if faults.received is None:
+            raise
+        # the signal's exception wrapped on its way: Python turns one raised in a class's
+        # `__set_name__` (pydantic's, importing while the arguments parse) into a RuntimeError
+        code = _early_interruption(None)
     return code
+
+
+def _early_interruption(exc: BaseException | None) -> int:
+    """Report a signal that came outside a command (message, envelope with --json): its code."""
+    from . import faults
+    from .cli.render import emit_early_interruption
+
+    error = faults.interruption(exc)
+    emit_early_interruption(error, sys.argv[1:])
+    return error.exit_code
 
 
 class _ClosedStream(io.TextIOBase):

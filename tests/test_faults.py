@@ -773,6 +773,44 @@ def test_ctrl_c_in_the_first_second_exits_130_without_a_traceback(tmp_path: Path
         assert "Traceback" not in stderr, stderr
 
 
+def test_ctrl_c_wrapped_by_an_import_on_its_way_still_exits_130_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """Seen once in CI: a Ctrl-C landing while pydantic built a class during argument parsing
+    (Python turns an exception raised in `__set_name__` into a RuntimeError) ended `ckpt
+    inspect` with a traceback and exit 1. A signal's exception wrapped on its way is still
+    the signal: exit 130, its message, no traceback."""
+    script = textwrap.dedent(
+        """
+        import signal, sys
+        import ckpt_cli.__main__ as entry
+        import ckpt_cli.cli.app as app
+        from ckpt_cli import faults
+
+        def main():
+            class Lands:
+                def __set_name__(self, owner, name):
+                    faults._handler(signal.SIGINT, None)  # the signal, as it arrives here
+
+            class Built:
+                field = Lands()
+
+        app.main = main
+        sys.exit(entry.run())
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    ran = subprocess.run(
+        [sys.executable, "-c", script, "inspect", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 130, ran.stderr
+    assert "Traceback" not in ran.stderr and "interrupted" in ran.stderr, ran.stderr
+
+
 def test_ctrl_c_while_torch_save_writes_exits_130_cleanly(tmp_path: Path) -> None:
     src = tmp_path / "big.safetensors"
     save_file({"w": torch.randn(2048, 2048)}, src)  # 16 MiB: torch.save takes a while
