@@ -66,6 +66,9 @@ ZIP_READ_ERRORS: tuple[type[Exception], ...] = (
 READ_CHUNK = 1 << 20
 #: distinct large ints of one hash a pickle may hold (a dict of them builds in quadratic time)
 MAX_COLLIDING_INTS = 2048
+#: the largest model config (`config.json`) any reader reads: configs are kilobytes, and a
+#: larger file (a sparse one of gigabytes) is no config to read whole into memory
+MAX_CONFIG_BYTES = 16 << 20
 #: distinct ints past Python's hash modulus a pickle may hold at all (64-bit seeds: a few)
 MAX_HUGE_INTS = 100_000
 #: Python hashes an int to itself modulo this (2**61 - 1 on 64-bit builds)

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import Field
 
 from .. import dtypes
+from ..budgets import MAX_CONFIG_BYTES
 from ..errors import CkptError
 from ..models import Entry, Manifest, Problem, Record
 from ..storage import Storage
@@ -109,7 +110,6 @@ CONFIG_FILES = ("config.json", "hf_quant_config.json")
 #: config files that only declare quantization (ModelOpt's): a dequantized output has none,
 #: or loaders (and `verify`) would take its plain weights for quantized ones
 QUANT_ONLY_CONFIG_FILES = CONFIG_FILES[1:]
-_MAX_CONFIG = 16 << 20
 _DIGITS = re.compile(r"\.\d+(?=\.|$)")
 
 
@@ -293,7 +293,7 @@ def fold(name: str) -> str:
 
 def _json(storage: Storage, rel: str) -> dict[str, Any] | None:
     try:
-        if not storage.exists(rel) or storage.size(rel) > _MAX_CONFIG:
+        if not storage.exists(rel) or storage.size(rel) > MAX_CONFIG_BYTES:
             return None
         doc = json.loads(storage.read_all(rel))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError, CkptError):

@@ -13,6 +13,7 @@ from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 from ... import dtypes
+from ...budgets import MAX_CONFIG_BYTES
 from ...dist.command import refuse_remote_split
 from ...errors import FormatError, UsageError
 from ...formats import get_format, serializations, writable_formats
@@ -430,7 +431,6 @@ def written_dtype(plan: TransferPlan) -> str | None:
 
 
 #: a model's `config.json` is a few KB; anything this large is not one
-MAX_CONFIG_BYTES = 16 << 20
 
 
 def read_config(spec: str) -> tuple[bytes, str]:

@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ...budgets import MAX_CONFIG_BYTES
 from ...formats.base import Checkpoint
 from ..shared.transfer import metadata_aliases, tied_groups
 
@@ -127,7 +128,7 @@ def _config(checkpoint: Checkpoint) -> dict[str, Any] | None:
     try:
         # a model config is kilobytes: a larger one (a sparse file of gigabytes) is none,
         # rather than read whole into memory
-        if not storage.exists("config.json") or storage.size("config.json") > 16 << 20:
+        if not storage.exists("config.json") or storage.size("config.json") > MAX_CONFIG_BYTES:
             return None
         doc = json.loads(storage.read_all("config.json"))
     except (OSError, ValueError, UnicodeDecodeError):

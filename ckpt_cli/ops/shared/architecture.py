@@ -38,6 +38,7 @@ from ...architectures.base import (
     NamingOutput,
     compile_pattern,
 )
+from ...budgets import MAX_CONFIG_BYTES
 from ...errors import FormatError
 from ...models import Chunk, Record
 from .transfer import SkippedEntry, TransferPlan, plan_transfer
@@ -152,7 +153,7 @@ def refuse_adapter(opened: OpenedSource, target: str, where: str) -> None:
 def source_config(storage: Storage) -> dict[str, Any] | None:
     """The source folder's own `config.json` as a dict, when it has a readable one."""
     try:
-        if not storage.exists("config.json") or storage.size("config.json") > 16 << 20:
+        if not storage.exists("config.json") or storage.size("config.json") > MAX_CONFIG_BYTES:
             return None
         doc = json.loads(storage.read_all("config.json"))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
