@@ -11,6 +11,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+from .parsed import parse
+
 
 def _strings(node: ast.AST) -> list[str] | None:
     """The string values `node` can take: a literal, or the branches of `a if c else b`."""
@@ -79,7 +81,7 @@ class _Def:
 
 def scan(root: Path) -> tuple[dict[str, dict[str, set[str]]], dict[str, list[str]]]:
     """(code -> {place -> severities}, f-string code pattern -> places) over `root`."""
-    trees = {path: ast.parse(path.read_text(), str(path)) for path in sorted(root.rglob("*.py"))}
+    trees = {path: parse(path.read_text(), str(path)) for path in sorted(root.rglob("*.py"))}
     defs: dict[str, list[_Def]] = defaultdict(list)
     for tree in trees.values():
         for node in ast.walk(tree):

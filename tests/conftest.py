@@ -93,6 +93,42 @@ def _frameworks_of(item: pytest.Function) -> frozenset[str]:
     return frozenset(needed)
 
 
+def _deselects_every_test_of(markexpr: str, marks: frozenset[str]) -> bool:
+    """Whether `-m markexpr` deselects a test carrying `marks`, whatever other marks of
+    ours it carries too."""
+    from itertools import combinations
+
+    from _pytest.mark.expression import Expression
+
+    expression = Expression.compile(markexpr)
+    others = sorted({"frameworks", "torchrun", "slow"} - marks)
+
+    def selects(carried: frozenset[str]) -> bool:
+        return expression.evaluate(lambda name, /, **kwargs: name in carried)
+
+    return not any(
+        selects(marks | set(extra))
+        for size in range(len(others) + 1)
+        for extra in combinations(others, size)
+    )
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Leave a test module unimported when `-m` deselects every test of it (read from its
+    source: a framework imported at its top, its `pytestmark`). The fast loop deselects the
+    framework and torchrun modules, and importing them (transformers, torch.distributed) cost
+    each worker about 17 s before its first test."""
+    markexpr = config.getoption("markexpr", "")
+    if not markexpr or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    marks = framework_marks.module_marks(str(collection_path))
+    if marks and _deselects_every_test_of(markexpr, marks):
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that needs a framework `frameworks` (see tests/framework_marks.py)."""
     for item in items:

@@ -58,22 +58,66 @@ class _Source:
 
 
 @functools.cache
-def _module_graph(path: str) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """Per top-level function (or named constant, such as a script string) of a module: the
-    frameworks it imports itself, and the names it uses (only the module's own matter)."""
+def _parsed(path: str) -> tuple[ast.Module, _Source]:
     source = Path(path).read_text(encoding="utf-8")
-    tree = ast.parse(source)
-    text = _Source(source)
-    imports: dict[str, set[str]] = {}
-    uses: dict[str, set[str]] = {}
-    # a framework the module imports at its top, or asks for with importorskip, is needed by all
-    everywhere: set[str] = set()
+    return ast.parse(source), _Source(source)
+
+
+@functools.cache
+def _everywhere(path: str) -> frozenset[str]:
+    """The frameworks a module imports at its top, or asks for with importorskip there: every
+    test of the module needs them."""
+    tree, text = _parsed(path)
+    found: set[str] = set()
     for node in tree.body:
         segment = text.segment(node)
         if isinstance(node, ast.Import | ast.ImportFrom):
-            everywhere |= set(_IMPORT.findall(segment))
+            found |= set(_IMPORT.findall(segment))
         elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            everywhere |= set(_IMPORTORSKIP.findall(segment))
+            found |= set(_IMPORTORSKIP.findall(segment))
+    return frozenset(found)
+
+
+def _pytestmark_names(tree: ast.Module) -> set[str]:
+    """The marks a module's top-level `pytestmark = ...` names (`pytest.mark.NAME`)."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "pytestmark" for target in node.targets
+        ):
+            for sub in ast.walk(node.value):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and isinstance(sub.value, ast.Attribute)
+                    and sub.value.attr == "mark"
+                ):
+                    names.add(sub.attr)
+    return names
+
+
+def module_marks(path: str) -> frozenset[str]:
+    """The marks every test of a test module carries, read without importing it: `frameworks`
+    when the module imports one at its top, and what its `pytestmark` names. Empty when the
+    file cannot be read."""
+    try:
+        tree, _ = _parsed(path)
+        marks = _pytestmark_names(tree)
+        if _everywhere(path):
+            marks.add("frameworks")
+    except (OSError, SyntaxError):
+        return frozenset()
+    return frozenset(marks)
+
+
+@functools.cache
+def _module_graph(path: str) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Per top-level function (or named constant, such as a script string) of a module: the
+    frameworks it imports itself, and the names it uses (only the module's own matter)."""
+    tree, text = _parsed(path)
+    imports: dict[str, set[str]] = {}
+    uses: dict[str, set[str]] = {}
+    # a framework the module imports at its top, or asks for with importorskip, is needed by all
+    everywhere = set(_everywhere(path))
     for node in tree.body:
         names: list[str] = []
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):

@@ -13,6 +13,7 @@ import pytest
 from .conftest import run_ckpt, run_ckpt_process
 from .hub_fixtures import publish_model
 from .hub_server import TestHub
+from .parsed import parse
 from .run_fixtures import interrupted_trainer_save, trainer_run
 from .s3_fixtures import S3Server, make_bucket
 
@@ -226,7 +227,7 @@ def test_every_usage_error_in_the_code_names_its_fix() -> None:
 
     bare = []
     for path in sorted((REPO / "ckpt_cli").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path.read_text())):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)

@@ -12,6 +12,8 @@ import ast
 import re
 from pathlib import Path
 
+from .parsed import parse
+
 PACKAGE = Path(__file__).resolve().parent.parent / "ckpt_cli"
 
 
@@ -42,7 +44,7 @@ def cross_module_private_uses(source: str, path: Path) -> list[str]:
     """Each place in `source` (the module at `path`) that uses another `ckpt_cli` module's private
     name: `from X import _name` (the package's `__init__` included) and `X._name` on an imported
     module `X`."""
-    tree = ast.parse(source, str(path))
+    tree = parse(source, str(path))
     place = path.relative_to(PACKAGE.parent)
     found: list[str] = []
     modules: set[str] = set()  # local names bound to ckpt_cli modules (or names from them)
@@ -106,7 +108,7 @@ def attribute_probes(source: str, path: Path, names: set[str]) -> list[str]:
     place = path.relative_to(PACKAGE.parent)
     return [
         f"{place}:{node.lineno}: {node.func.id}(…, {node.args[1].value!r})"
-        for node in ast.walk(ast.parse(source, str(path)))
+        for node in ast.walk(parse(source, str(path)))
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
         and node.func.id in ("getattr", "hasattr")
@@ -121,7 +123,7 @@ def entry_subclass_fields() -> set[str]:
     class bodies: annotated names of every class deriving from `Entry`, at any depth."""
     bodies: dict[str, tuple[list[str], list[ast.stmt]]] = {}
     for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse(path.read_text(), str(path))):
             if isinstance(node, ast.ClassDef):
                 bases = [b.id if isinstance(b, ast.Name) else ast.unparse(b) for b in node.bases]
                 bodies[node.name] = (bases, node.body)
@@ -162,7 +164,7 @@ def hub_url_parsing(source: str, path: Path) -> list[str]:
     """Places in `source` that take an `hf://` URL apart (or build one) by hand: a literal
     `"hf://"` or `"hf:"` in code. Text for people is not parsed: docstrings, f-strings, and a
     search of a message's text (`"hf://" in error.fix`) are left alone."""
-    tree = ast.parse(source, str(path))
+    tree = parse(source, str(path))
     text: set[int] = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
@@ -217,7 +219,7 @@ def storage_types() -> set[str]:
     classes: dict[str, set[str]] = {}  # class -> its bases' names
     unions: dict[str, set[str]] = {}  # module-level `A = B | C` alias -> its names
     for path in sorted(STORAGE.rglob("*.py")):
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parse(path.read_text(), str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 classes[node.name] = {
@@ -247,7 +249,7 @@ def storage_type_checks(source: str, path: Path, types: set[str]) -> list[str]:
     what the storage declares."""
     place = path.relative_to(PACKAGE.parent)
     found = []
-    for node in ast.walk(ast.parse(source, str(path))):
+    for node in ast.walk(parse(source, str(path))):
         if not (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
@@ -331,7 +333,7 @@ def complex_functions(source: str, path: Path) -> list[tuple[int, str]]:
     place = path.relative_to(PACKAGE.parent)
     return [
         (n, f"{place}:{node.lineno} {node.name}")
-        for node in ast.walk(ast.parse(source, str(path)))
+        for node in ast.walk(parse(source, str(path)))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
         and (n := cyclomatic_complexity(node)) > COMPLEX
     ]
@@ -361,7 +363,7 @@ def test_the_complexity_counter_counts_branch_points() -> None:
         "                return y\n"
         "    return Inner\n"
     )
-    function = ast.parse(source).body[0]
+    function = parse(source).body[0]
     assert isinstance(function, ast.FunctionDef)
     assert cyclomatic_complexity(function) == 1 + 1 + 1 + 1 + 2
     assert complex_functions(source, PACKAGE / "x.py") == []
@@ -496,7 +498,7 @@ def test_the_fix_scan_sees_errors_without_a_fix() -> None:
         "def too_big(where):\n"
         "    return FormatError('too big', path=where)\n"
     )
-    tree = ast.parse(source)
+    tree = parse(source)
     errors = ckpt_error_classes([tree])
     assert errors == {"CkptError", "FormatError"}
     assert errors_without_a_fix(tree, PACKAGE / "x.py", errors) == [
@@ -511,7 +513,7 @@ def test_every_ckpt_error_says_its_fix() -> None:
     passes `fix=`: what the user can do (fetch the shard again, pass --format, run `ckpt
     repair`, report a bug...), never `"fix": null` in the JSON envelope."""
     paths = sorted(PACKAGE.rglob("*.py"))
-    trees = [ast.parse(path.read_text(), str(path)) for path in paths]
+    trees = [parse(path.read_text(), str(path)) for path in paths]
     errors = ckpt_error_classes(trees)
     assert {"FormatError", "NotFoundError", "UnsafeInputError", "HubError"} <= errors
     found = [
@@ -565,7 +567,7 @@ def test_the_problem_fix_scan_sees_problems_without_a_fix() -> None:
         "    found.append(ProblemSummary(code='gap', message=''))\n"
         "    return found + [helper(Problem(code='x', message='y', **extra))]\n"
     )
-    assert problems_without_a_fix(ast.parse(source), PACKAGE / "x.py") == [
+    assert problems_without_a_fix(parse(source), PACKAGE / "x.py") == [
         "ckpt_cli/x.py:3 check: Problem(...)",
         "ckpt_cli/x.py:4 check: Problem(...)",
         "ckpt_cli/x.py:6 check: ProblemSummary(...)",
@@ -579,7 +581,7 @@ def test_every_problem_says_its_fix() -> None:
     found = [
         site
         for path in sorted(PACKAGE.rglob("*.py"))
-        for site in problems_without_a_fix(ast.parse(path.read_text(), str(path)), path)
+        for site in problems_without_a_fix(parse(path.read_text(), str(path)), path)
     ]
     assert not found, "Problems without fix=:\n" + "\n".join(found)
 
@@ -612,7 +614,7 @@ def upward_imports(source: str, path: Path) -> list[str]:
     )
     place = path.relative_to(PACKAGE.parent)
     found: list[str] = []
-    for node in ast.walk(ast.parse(source, str(path))):
+    for node in ast.walk(parse(source, str(path))):
         if isinstance(node, ast.ImportFrom):
             names = [_imported_from(node, path)]
         elif isinstance(node, ast.Import):
@@ -656,7 +658,7 @@ def _reexports(sources: dict[str, tuple[str, Path]]) -> dict[str, dict[str, str]
     for module, (source, path) in sources.items():
         if path.name != "__init__.py":
             continue
-        body = ast.parse(source, str(path)).body
+        body = parse(source, str(path)).body
         defines = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
         if len(source.splitlines()) >= 40 or any(isinstance(n, defines) for n in body):
             continue
@@ -687,7 +689,7 @@ def import_graph(sources: dict[str, tuple[str, Path]]) -> dict[str, set[str]]:
 
     graph: dict[str, set[str]] = {module: set() for module in sources}
     for module, (source, path) in sources.items():
-        for node in ast.walk(ast.parse(source, str(path))):
+        for node in ast.walk(parse(source, str(path))):
             if isinstance(node, ast.ImportFrom):
                 base = _imported_from(node, path)
                 names = [target(base, alias.name) for alias in node.names]
@@ -772,7 +774,7 @@ def test_every_import_of_a_ckpt_cli_name_resolves_lazy_ones_included() -> None:
 
     missing = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse(path.read_text(), str(path))):
             if not isinstance(node, ast.ImportFrom):
                 continue
             module = _imported_from(node, path)

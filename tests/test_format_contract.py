@@ -16,6 +16,7 @@ from ckpt_cli.formats.base import WriteOptions
 from ckpt_cli.models import Entry
 
 from .conftest import run_ckpt
+from .parsed import parse
 
 REPO = Path(__file__).resolve().parent.parent
 #: the operations that move data between formats: they must not know any format by name
@@ -84,7 +85,7 @@ def format_knowledge(source: str, path: str) -> list[str]:
       facts (`holds_objects`, `folder`, `layout_files`...) instead;
     - text for people is not knowledge: docstrings and f-strings are not scanned.
     """
-    tree = ast.parse(source, path)
+    tree = parse(source, path)
     skipped: set[int] = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
