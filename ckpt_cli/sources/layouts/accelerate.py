@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from ...formats.base import Source
+from ...formats.base import Checkpoint, Source
 from ...formats.names import (
     PICKLE_SUFFIX,
     SAFETENSORS_SUFFIX,
@@ -49,7 +49,16 @@ from .ranks import (
     saved_world,
 )
 from .save_before import LOST_SINCE_FIX, lost_since, save_before
-from .training import all_models, analyse, finish, per_rank_models, value_of, weights_summary
+from .training import (
+    all_models,
+    all_schedulers,
+    analyse,
+    finish,
+    numbered_keys,
+    per_rank_models,
+    value_of,
+    weights_summary,
+)
 
 _RNG = r"random_states_\d+\.pkl"
 _OPTIM = r"optimizer(_\d+)?\.bin"
@@ -163,6 +172,9 @@ class Accelerate(Layout):
             prefixes.update((numbered("model", i), f"{comp}.") for i, comp in enumerate(trained))
         state = analyse(checkpoint, "accelerate", prefixes)
         all_models(checkpoint, state)
+        all_schedulers(checkpoint, state)
+        unstepped = _unsaved_optimizer(source, folder, checkpoint)
+        folder.problems.extend(unstepped)
         if "model_1" in prefixes:  # several models trained: the weights of all of them
             weights = [
                 weights_summary(checkpoint, p) for k, p in prefixes.items() if k.startswith("model")
@@ -185,7 +197,11 @@ class Accelerate(Layout):
                 # what `load_state` restores as `Accelerator.step`
                 state.counter = f"accelerate's gradient-accumulation step ({name})"
                 break
-        return finish(checkpoint, state, folder)
+        opened = finish(checkpoint, state, folder)
+        if unstepped:  # `load_state` stops at the lost optimizer's file
+            state.missing.append("every prepared optimizer's state")
+            state.resumable = state.exact = False
+        return opened
 
 
 #: the file diffusers' LoRA training scripts save the adapter in from their `save_state`
@@ -386,6 +402,67 @@ def _missing_optimizer(source: Source, folder: Folder) -> list[Problem]:
             fix="Use another checkpoint of the run (`ckpt latest` names the newest whole one).",
         )
     ]
+
+
+def _lrs(value: object) -> list[float] | None:
+    """A list of plain learning rates (a scheduler's `base_lrs`), or None."""
+    if isinstance(value, list) and value and all(type(v) is float for v in value):
+        return value
+    return None
+
+
+def _unsaved_optimizer(source: Source, folder: Folder, checkpoint: Checkpoint) -> list[Problem]:
+    """The optimizer a scheduler steps, where its state is in none of the optimizer files
+    saved. An LR scheduler's `base_lrs` is its optimizer's param groups' `initial_lr` (torch's
+    `LRScheduler.__init__` sets that key, or reads it on a resume), so a scheduler whose
+    `base_lrs` matches no saved optimizer's `initial_lr`s steps an optimizer whose file was
+    lost: the highest one, since a gap below it is `_missing_objects`'s. One optimizer with
+    two schedulers is a legitimate save (both match it). Only plain `optimizer{_i}.bin`
+    files are read (FSDP's and DeepSpeed's shapes keep no readable param groups here), and
+    a OneCycleLR, which overwrites `initial_lr`, leaves nothing to tell."""
+    optimizers = numbered_keys(folder.parts, "optimizer")
+    schedulers = numbered_keys(folder.parts, "scheduler")
+    if not optimizers or len(schedulers) < 2 or _deepspeed_states(source):
+        return []
+    files = {c: folder.parts[c][0].rsplit("/", 1)[-1] for c in (*optimizers, *schedulers)}
+    saved = {files[c] for c in optimizers}
+    if not all(re.fullmatch(_OPTIM, name) for name in saved):
+        return []  # an FSDP shape: its groups are not read here
+    if any(f"{s}.total_steps" in checkpoint.manifest.by_name for s in schedulers):
+        return []  # OneCycleLR sets `initial_lr` itself
+    initial: list[list[float]] = []
+    for opt in optimizers:
+        groups = sorted(
+            {
+                int(m.group(1))
+                for n in checkpoint.manifest.by_name
+                if (m := re.fullmatch(rf"{opt}\.param_groups\.(\d+)\.initial_lr", n))
+            }
+        )
+        lrs = [value_of(checkpoint, f"{opt}.param_groups.{g}.initial_lr") for g in groups]
+        if lrs and all(type(v) is float for v in lrs):
+            initial.append(lrs)
+    if len(initial) != len(optimizers):
+        return []  # an optimizer no scheduler set up, or groups not read: nothing to compare
+    for sched in schedulers:
+        base = _lrs(value_of(checkpoint, f"{sched}.base_lrs"))
+        if base is None or base in initial:
+            continue
+        name = f"optimizer_{len(optimizers)}.bin"
+        return [
+            Problem(
+                code="missing_component",
+                message=f"is missing: {files[sched]} steps an optimizer whose "
+                f"learning rates (base_lrs {base}) are none of the optimizer states saved "
+                f"({', '.join(sorted(saved))}); accelerate's save_state writes every "
+                "prepared optimizer's state, so optimizer "
+                f"{len(optimizers)}'s was lost and this save cannot resume training where "
+                "it stopped (load_state looks for it)",
+                file=source.storage.describe(folder.rel(name)),
+                fix=LOST_SINCE_FIX,
+            )
+        ]
+    return []
 
 
 #: the shapes of object i's state `save_state` writes, by object: (stem, suffix, whether object 0
