@@ -2,9 +2,9 @@
 
 `Accelerator.save_state` writes every prepared optimizer (`optimizer.bin`, `optimizer_1.bin`)
 and every prepared LR scheduler (`scheduler.bin`, `scheduler_1.bin`), and `load_state` restores
-each. `inspect` described the first scheduler only, and `verify` said OK for a save of two
-optimizers that lost `optimizer_1.bin` (accelerate records no count), though `load_state` of it
-fails. A scheduler's `base_lrs` is its optimizer's `initial_lr`s: a scheduler whose rates are no
+each. `inspect` described the first scheduler only, and `verify` and `latest` said OK for a save
+of two optimizers that lost `optimizer_1.bin` (accelerate records no count), though
+`load_state` of it fails. A scheduler's `base_lrs` is its optimizer's `initial_lr`s: a scheduler whose rates are no
 saved optimizer's steps the lost one. One optimizer with two schedulers is a legitimate save.
 """
 
@@ -105,6 +105,12 @@ def test_a_save_that_lost_its_second_optimizer_fails_verify(
     training = run_ckpt("inspect", lost, "--json").json["result"]["training"]
     assert training["resumable"] is False
     assert run_ckpt("verify", saves["two"]).exit_code == 0
+    # a resume script's `ckpt latest` agrees with verify: the save before it is the newest whole
+    run = tmp_path / "run"
+    shutil.copytree(saves["two"], run / "step_1")
+    shutil.copytree(lost, run / "step_2")
+    latest = run_ckpt("latest", run, "--settle", "0")
+    assert latest.exit_code == 0 and latest.stdout.strip() == str(run / "step_1"), latest.stderr
 
 
 def test_one_optimizer_with_two_schedulers_is_whole(saves: dict[str, Path]) -> None:

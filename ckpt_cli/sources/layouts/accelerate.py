@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from ...formats.base import Checkpoint, Source
+from ...formats.base import Source
 from ...formats.names import (
     PICKLE_SUFFIX,
     SAFETENSORS_SUFFIX,
@@ -54,7 +54,6 @@ from .training import (
     all_schedulers,
     analyse,
     finish,
-    numbered_keys,
     per_rank_models,
     value_of,
     weights_summary,
@@ -100,7 +99,8 @@ class Accelerate(Layout):
 
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
         """Every rank's file of a per-rank FSDP save (`ranks.missing_rank_files`), the
-        optimizer state a scheduler's file says was saved (`_missing_optimizer`), and every
+        optimizer state a scheduler's file says was saved (`_missing_optimizer`), the one a
+        scheduler steps that no optimizer file saved holds (`_unsaved_optimizer`), and every
         prepared object's state below the highest one saved (`_missing_objects`). A save
         `ckpt prune --slim-older-than` slimmed lacks its optimizer and RNG states on purpose
         (its scheduler kept): only its objects are asked for. A model a save hook wrote into a
@@ -112,6 +112,7 @@ class Accelerate(Layout):
         return (
             _missing_optimizer(source, folder)
             + _missing_objects(source, folder)
+            + _unsaved_optimizer(source, folder)
             + missing_rank_files(source, folder, self.rank_files)
             + _models_lost_since(source, folder)
         )
@@ -173,8 +174,6 @@ class Accelerate(Layout):
         state = analyse(checkpoint, "accelerate", prefixes)
         all_models(checkpoint, state)
         all_schedulers(checkpoint, state)
-        unstepped = _unsaved_optimizer(source, folder, checkpoint)
-        folder.problems.extend(unstepped)
         if "model_1" in prefixes:  # several models trained: the weights of all of them
             weights = [
                 weights_summary(checkpoint, p) for k, p in prefixes.items() if k.startswith("model")
@@ -198,7 +197,8 @@ class Accelerate(Layout):
                 state.counter = f"accelerate's gradient-accumulation step ({name})"
                 break
         opened = finish(checkpoint, state, folder)
-        if unstepped:  # `load_state` stops at the lost optimizer's file
+        if any(_lost_optimizer(p) for p in opened.problems):
+            # `load_state` stops at the lost optimizer's file
             state.missing.append("every prepared optimizer's state")
             state.resumable = state.exact = False
         return opened
@@ -404,6 +404,12 @@ def _missing_optimizer(source: Source, folder: Folder) -> list[Problem]:
     ]
 
 
+def _lost_optimizer(problem: Problem) -> bool:
+    """Whether `problem` is a prepared optimizer's state lost (`optimizer_1.bin`)."""
+    name = (problem.file or "").rsplit("/", 1)[-1]
+    return problem.code == "missing_component" and re.fullmatch(_OPTIM, name) is not None
+
+
 def _lrs(value: object) -> list[float] | None:
     """A list of plain learning rates (a scheduler's `base_lrs`), or None."""
     if isinstance(value, list) and value and all(type(v) is float for v in value):
@@ -411,54 +417,62 @@ def _lrs(value: object) -> list[float] | None:
     return None
 
 
-def _unsaved_optimizer(source: Source, folder: Folder, checkpoint: Checkpoint) -> list[Problem]:
+def _unsaved_optimizer(source: Source, folder: Folder) -> list[Problem]:
     """The optimizer a scheduler steps, where its state is in none of the optimizer files
     saved. An LR scheduler's `base_lrs` is its optimizer's param groups' `initial_lr` (torch's
     `LRScheduler.__init__` sets that key, or reads it on a resume), so a scheduler whose
     `base_lrs` matches no saved optimizer's `initial_lr`s steps an optimizer whose file was
     lost: the highest one, since a gap below it is `_missing_objects`'s. One optimizer with
-    two schedulers is a legitimate save (both match it). Only plain `optimizer{_i}.bin`
-    files are read (FSDP's and DeepSpeed's shapes keep no readable param groups here), and
-    a OneCycleLR, which overwrites `initial_lr`, leaves nothing to tell."""
-    optimizers = numbered_keys(folder.parts, "optimizer")
-    schedulers = numbered_keys(folder.parts, "scheduler")
+    two schedulers is a legitimate save (both match it). Read only with several schedulers
+    and plain `optimizer{_i}.bin` files (their pickles, no tensor data; FSDP's and
+    DeepSpeed's shapes are not read here); a OneCycleLR, which overwrites `initial_lr`,
+    leaves nothing to tell."""
+    optimizers = folder.numbered_files("optimizer", TORCH_BIN_SUFFIX)
+    schedulers = folder.numbered_files("scheduler", TORCH_BIN_SUFFIX)
     if not optimizers or len(schedulers) < 2 or _deepspeed_states(source):
         return []
-    files = {c: folder.parts[c][0].rsplit("/", 1)[-1] for c in (*optimizers, *schedulers)}
-    saved = {files[c] for c in optimizers}
-    if not all(re.fullmatch(_OPTIM, name) for name in saved):
+    if folder.dcp_dirs_matching(r"optimizer_(\d+)") or folder.matching(RANK_OPTIMIZER_FILE.pattern):
         return []  # an FSDP shape: its groups are not read here
-    if any(f"{s}.total_steps" in checkpoint.manifest.by_name for s in schedulers):
+    read = Folder(source, folder.base)  # its own: `open` adds the components in its order
+    opened = {}
+    for name, _ in (*optimizers, *schedulers):
+        checkpoint = read.add(name, name, "torch")
+        if checkpoint is None:
+            return []  # unreadable: the layout's open reports it
+        opened[name] = checkpoint
+    if any("total_steps" in opened[name].manifest.by_name for name, _ in schedulers):
         return []  # OneCycleLR sets `initial_lr` itself
     initial: list[list[float]] = []
-    for opt in optimizers:
+    for name, _ in optimizers:
+        checkpoint = opened[name]
         groups = sorted(
             {
                 int(m.group(1))
                 for n in checkpoint.manifest.by_name
-                if (m := re.fullmatch(rf"{opt}\.param_groups\.(\d+)\.initial_lr", n))
+                if (m := re.fullmatch(r"param_groups\.(\d+)\.initial_lr", n))
             }
         )
-        lrs = [value_of(checkpoint, f"{opt}.param_groups.{g}.initial_lr") for g in groups]
+        lrs = [value_of(checkpoint, f"param_groups.{g}.initial_lr") for g in groups]
         if lrs and all(type(v) is float for v in lrs):
             initial.append(lrs)
     if len(initial) != len(optimizers):
         return []  # an optimizer no scheduler set up, or groups not read: nothing to compare
-    for sched in schedulers:
-        base = _lrs(value_of(checkpoint, f"{sched}.base_lrs"))
+    saved = ", ".join(name for name, _ in optimizers)
+    lost = f"optimizer_{max(i for _, i in optimizers) + 1}{TORCH_BIN_SUFFIX}"
+    for name, _ in schedulers:
+        checkpoint = opened[name]
+        base = _lrs(value_of(checkpoint, "base_lrs"))
         if base is None or base in initial:
             continue
-        name = f"optimizer_{len(optimizers)}.bin"
         return [
             Problem(
                 code="missing_component",
-                message=f"is missing: {files[sched]} steps an optimizer whose "
-                f"learning rates (base_lrs {base}) are none of the optimizer states saved "
-                f"({', '.join(sorted(saved))}); accelerate's save_state writes every "
-                "prepared optimizer's state, so optimizer "
-                f"{len(optimizers)}'s was lost and this save cannot resume training where "
-                "it stopped (load_state looks for it)",
-                file=source.storage.describe(folder.rel(name)),
+                message=f"is missing: {name} steps an optimizer whose learning rates "
+                f"(base_lrs {base}) are none of the optimizer states saved ({saved}); "
+                "accelerate's save_state writes every prepared optimizer's state, so "
+                f"{lost} was lost and this save cannot resume training where it stopped "
+                "(load_state looks for it)",
+                file=source.storage.describe(folder.rel(lost)),
                 fix=LOST_SINCE_FIX,
             )
         ]
