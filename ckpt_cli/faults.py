@@ -70,6 +70,15 @@ def answer_stop() -> None:
     answered = received
 
 
+def answered_stop() -> Interrupted | None:
+    """The interruption a command whose operation answered a stop signal (`answer_stop`: a
+    `--watch` loop that stopped cleanly, its summary made) ends with: the signal's exit code
+    (130, 143, 129), never 0, so a job scheduler or a script sees the command was stopped."""
+    if answered is None:
+        return None
+    return interruption(fix="The summary lists what its rounds did; run it again to go on.")
+
+
 def unanswered_stop() -> bool:
     """Whether a stop signal came that nothing raised through or answered: one swallowed by
     code that catches every exception (torch's import does, now and then)."""

@@ -671,7 +671,11 @@ class TrainingState(Record):
             is not the step.
         weights: tensors / parameters / bytes of the model weights.
         optimizer: the optimizer state, if any.
-        scheduler: LR scheduler summary (class, last_epoch...), if any.
+        scheduler: LR scheduler summary (class, last_epoch...), if any: the first one's where
+            several are saved.
+        schedulers: with several LR schedulers saved (accelerate's `scheduler.bin`,
+            `scheduler_1.bin`...), each one's summary by component (`scheduler`,
+            `scheduler_1`...); empty with one or none.
         rng: RNG streams present (`python`, `numpy`, `torch_cpu`, `torch_cuda`...).
         rng_ranks: the ranks whose RNG state is saved, each its own component (`rng_0`,
             `rng_1`...: a multi-process save); empty when there is one, unnumbered.
@@ -697,6 +701,7 @@ class TrainingState(Record):
     weights: dict[str, int] = Field(default_factory=dict)
     optimizer: OptimizerState | None = None
     scheduler: dict[str, Any] | None = None
+    schedulers: dict[str, dict[str, Any]] = Field(default_factory=dict)
     rng: list[str] = Field(default_factory=list)
     rng_ranks: list[int] = Field(default_factory=list)
     dataloader: dict[str, Any] | None = None

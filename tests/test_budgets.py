@@ -1331,3 +1331,20 @@ def test_diff_reads_no_config_json_of_gigabytes(tmp_path: Path) -> None:
     assert run.exit_code == 1, run.stdout + run.stderr
     assert "only in B (1): lm_head.weight" in run.stdout
     assert run.peak_rss < 512 << 20, f"peak RSS {run.peak_rss:,}"
+
+
+def test_a_zero_partition_numbered_past_any_run_is_no_latest(tmp_path: Path) -> None:
+    # a stray `zero_pp_rank_99999999999_..._optim_states.pt` in a DeepSpeed tag folder (DeepSpeed's
+    # loader and zero_to_fp32 take every `*_optim_states.pt` there): `verify` of the run refused
+    # it, but `verify` of the tag folder said OK and `latest` named the save as complete
+    run = tmp_path / "run"
+    _zero2_save(run, 1)
+    tag = run / "global_step12"
+    assert ckpt_limited("latest", run, "--settle", "0").exit_code == 0
+    stray = tag / "zero_pp_rank_99999999999_mp_rank_00_optim_states.pt"
+    shutil.copy(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", stray)
+    assert_refused(ckpt_limited("verify", run), stray, "corrupt or crafted")
+    assert_refused(ckpt_limited("verify", tag), stray, "corrupt or crafted")
+    judged = ckpt_limited("latest", run, "--settle", "0")
+    assert judged.exit_code == 3, judged.stdout
+    assert_refused(judged, stray, "corrupt or crafted", exit_code=3)

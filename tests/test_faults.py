@@ -2261,7 +2261,8 @@ def test_a_signal_swallowed_in_a_watch_round_stops_the_watch(
 ) -> None:
     """`prune --watch` whose first signal was swallowed in a round (torch's import) went on
     round after round, and no later Ctrl-C or SIGTERM could stop it (only the first is
-    raised). It stops after that round, as Ctrl-C stops it: exit 0, `stopped: interrupted`."""
+    raised). It stops after that round, as a signal stops it: exit 143 (the signal's),
+    `stopped: interrupted`."""
     from ckpt_cli import faults
     from ckpt_cli.ops.prune import run as prune_run
 
@@ -2274,7 +2275,7 @@ def test_a_signal_swallowed_in_a_watch_round_stops_the_watch(
         "prune", run_dir, "--keep-last", "1", "--settle", "0", "--yes", "--json",
         "--watch", "1", "--max-iterations", "3",
     )  # fmt: skip
-    assert result.exit_code == 0, result.stdout + result.stderr
+    assert result.exit_code == 143, result.stdout + result.stderr
     report = json.loads(result.stdout)["result"]
     assert report["stopped"] == "interrupted" and report["iterations"] == 1
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint-3"]
@@ -2296,7 +2297,7 @@ def test_a_signal_swallowed_in_a_sync_watch_round_stops_the_watch(
         "sync", run_dir, "memory://ckpts/swallowed", "--settle", "0", "--json",
         "--watch", "1", "--max-iterations", "3",
     )  # fmt: skip
-    assert result.exit_code == 0, result.stdout + result.stderr
+    assert result.exit_code == 143, result.stdout + result.stderr
     report = json.loads(result.stdout)["result"]
     assert report["stopped"] == "interrupted" and report["iterations"] == 1
     assert report["transferred"] == ["checkpoint-1"]

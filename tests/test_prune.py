@@ -616,7 +616,15 @@ def test_watch_with_dry_run_names_that_conflict_not_a_missing_yes(tmp_path: Path
     assert tree(out) == before
 
 
-def test_watch_in_a_real_process_exits_cleanly_on_sigint(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("signame", "code", "error"), [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")]
+)
+def test_watch_in_a_real_process_stopped_by_a_signal_exits_with_its_code(
+    tmp_path: Path, signame: str, code: int, error: str
+) -> None:
+    """`prune --watch` under a job scheduler that ends it (SIGTERM) exited 0 with `stopped:
+    interrupted`, where the exit-code table says 143 (130 for Ctrl-C): a script or a scheduler
+    could not tell a stopped watch from one that ran its rounds. The summary still comes."""
     import signal
     import subprocess
     import sys
@@ -649,12 +657,15 @@ def test_watch_in_a_real_process_exits_cleanly_on_sigint(tmp_path: Path) -> None
         deadline = time.monotonic() + 120
         while survivors(out) != ["checkpoint-300"] and time.monotonic() < deadline:
             time.sleep(0.05)  # wait for the first round, then interrupt the sleep
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, signame))
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 0, stderr
-    report = json.loads(stdout)["result"]
+    assert proc.returncode == code, stderr
+    envelope = json.loads(stdout)
+    assert envelope["exit_code"] == code and envelope["ok"] is False
+    assert envelope["error"]["code"] == error
+    report = envelope["result"]
     assert report["stopped"] == "interrupted"  # (the signal may land before round 1 is counted)
     assert survivors(out) == ["checkpoint-300"]
 

@@ -2679,3 +2679,38 @@ def _multipart_sized_save(folder: Path, name: str = "model.safetensors") -> Path
 def _part_upload(r: S3Request) -> bool:
     """A multipart upload's part."""
     return r.method == "PUT" and "partNumber=" in r.query
+
+
+def test_a_sync_watch_stopped_by_sigterm_exits_143_with_its_summary(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`sync --watch` ended by the job scheduler (SIGTERM) between rounds exited 0 with
+    `stopped: interrupted`: the exit-code table says 143, and a scheduler's script must tell a
+    stopped watch from one that ran its rounds. The envelope still carries the summary."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path, steps=(100,))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "ckpt_cli", "sync", str(out), f"s3://{BUCKET}/run/"]
+    proc = subprocess.Popen(
+        [*cmd, "--settle", "0", "--watch", "3600", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        manifest = "run/checkpoint-100/ckpt-manifest.json"
+        while manifest not in list_keys(s3_server.endpoint, BUCKET):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # the round ends, the watch sleeps
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    envelope = json.loads(stdout)
+    assert envelope["exit_code"] == 143 and envelope["error"]["code"] == "terminated"
+    assert envelope["result"]["stopped"] == "interrupted"
+    assert "SIGTERM" in stderr

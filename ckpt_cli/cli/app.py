@@ -215,8 +215,16 @@ def run_command(
         render.emit_internal_error(command, exc, json_output and _leader())
         raise typer.Exit(70) from None
     code = exit_code(result)
+    stop = faults.answered_stop()
+    if stop is not None:
+        # a `--watch` loop stopped by a signal: its summary stands, and the exit code says the
+        # signal (130, 143, 129) as the table does for every command
+        code = stop.exit_code
+        failure = lambda _result, _code: stop  # noqa: E731
     try:
         _render(command, json_output, result, code, render_human, failure, started)
+        if stop is not None and not json_output:
+            render.emit_error(command, stop, False)
     except KeyboardInterrupt as exc:  # a signal while the report printed
         interrupted = faults.interruption(exc, "interrupted while the report printed")
         with contextlib.suppress(OSError):  # stdout holds part of an envelope: stderr alone

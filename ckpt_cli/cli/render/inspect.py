@@ -88,14 +88,19 @@ def render_training(report: InspectReport) -> None:
         )
     else:
         rows.append(("optimizer", "[dim]none[/]"))
-    rows.append(
-        (
-            "scheduler",
-            ", ".join(f"{k}={v}" for k, v in state.scheduler.items())
-            if state.scheduler
-            else "[dim]none[/]",
+    if state.schedulers:
+        # several schedulers (accelerate's `scheduler_1.bin`...): one row each, named
+        for name, summary in state.schedulers.items():
+            rows.append((name, ", ".join(f"{k}={v}" for k, v in summary.items())))
+    else:
+        rows.append(
+            (
+                "scheduler",
+                ", ".join(f"{k}={v}" for k, v in state.scheduler.items())
+                if state.scheduler
+                else "[dim]none[/]",
+            )
         )
-    )
     rng = ", ".join(state.rng) if state.rng else "[dim]none[/]"
     if state.rng and state.rng_ranks:
         ranks = ", ".join(str(r) for r in state.rng_ranks)

@@ -49,7 +49,15 @@ from .ranks import (
     saved_world,
 )
 from .save_before import LOST_SINCE_FIX, lost_since, save_before
-from .training import all_models, analyse, finish, per_rank_models, value_of, weights_summary
+from .training import (
+    all_models,
+    all_schedulers,
+    analyse,
+    finish,
+    per_rank_models,
+    value_of,
+    weights_summary,
+)
 
 _RNG = r"random_states_\d+\.pkl"
 _OPTIM = r"optimizer(_\d+)?\.bin"
@@ -91,7 +99,8 @@ class Accelerate(Layout):
 
     def missing(self, source: Source, folder: Folder) -> list[Problem]:
         """Every rank's file of a per-rank FSDP save (`ranks.missing_rank_files`), the
-        optimizer state a scheduler's file says was saved (`_missing_optimizer`), and every
+        optimizer state a scheduler's file says was saved (`_missing_optimizer`), the one a
+        scheduler steps that no optimizer file saved holds (`_unsaved_optimizer`), and every
         prepared object's state below the highest one saved (`_missing_objects`). A save
         `ckpt prune --slim-older-than` slimmed lacks its optimizer and RNG states on purpose
         (its scheduler kept): only its objects are asked for. A model a save hook wrote into a
@@ -103,6 +112,7 @@ class Accelerate(Layout):
         return (
             _missing_optimizer(source, folder)
             + _missing_objects(source, folder)
+            + _unsaved_optimizer(source, folder)
             + missing_rank_files(source, folder, self.rank_files)
             + _models_lost_since(source, folder)
         )
@@ -163,6 +173,7 @@ class Accelerate(Layout):
             prefixes.update((numbered("model", i), f"{comp}.") for i, comp in enumerate(trained))
         state = analyse(checkpoint, "accelerate", prefixes)
         all_models(checkpoint, state)
+        all_schedulers(checkpoint, state)
         if "model_1" in prefixes:  # several models trained: the weights of all of them
             weights = [
                 weights_summary(checkpoint, p) for k, p in prefixes.items() if k.startswith("model")
@@ -185,7 +196,12 @@ class Accelerate(Layout):
                 # what `load_state` restores as `Accelerator.step`
                 state.counter = f"accelerate's gradient-accumulation step ({name})"
                 break
-        return finish(checkpoint, state, folder)
+        opened = finish(checkpoint, state, folder)
+        if any(_lost_optimizer(p) for p in opened.problems):
+            # `load_state` stops at the lost optimizer's file
+            state.missing.append("every prepared optimizer's state")
+            state.resumable = state.exact = False
+        return opened
 
 
 #: the file diffusers' LoRA training scripts save the adapter in from their `save_state`
@@ -386,6 +402,81 @@ def _missing_optimizer(source: Source, folder: Folder) -> list[Problem]:
             fix="Use another checkpoint of the run (`ckpt latest` names the newest whole one).",
         )
     ]
+
+
+def _lost_optimizer(problem: Problem) -> bool:
+    """Whether `problem` is a prepared optimizer's state lost (`optimizer_1.bin`)."""
+    name = (problem.file or "").rsplit("/", 1)[-1]
+    return problem.code == "missing_component" and re.fullmatch(_OPTIM, name) is not None
+
+
+def _lrs(value: object) -> list[float] | None:
+    """A list of plain learning rates (a scheduler's `base_lrs`), or None."""
+    if isinstance(value, list) and value and all(type(v) is float for v in value):
+        return value
+    return None
+
+
+def _unsaved_optimizer(source: Source, folder: Folder) -> list[Problem]:
+    """The optimizer a scheduler steps, where its state is in none of the optimizer files
+    saved. An LR scheduler's `base_lrs` is its optimizer's param groups' `initial_lr` (torch's
+    `LRScheduler.__init__` sets that key, or reads it on a resume), so a scheduler whose
+    `base_lrs` matches no saved optimizer's `initial_lr`s steps an optimizer whose file was
+    lost: the highest one, since a gap below it is `_missing_objects`'s. One optimizer with
+    two schedulers is a legitimate save (both match it). Read only with several schedulers
+    and plain `optimizer{_i}.bin` files (their pickles, no tensor data; FSDP's and
+    DeepSpeed's shapes are not read here); a OneCycleLR, which overwrites `initial_lr`,
+    leaves nothing to tell."""
+    optimizers = folder.numbered_files("optimizer", TORCH_BIN_SUFFIX)
+    schedulers = folder.numbered_files("scheduler", TORCH_BIN_SUFFIX)
+    if not optimizers or len(schedulers) < 2 or _deepspeed_states(source):
+        return []
+    if folder.dcp_dirs_matching(r"optimizer_(\d+)") or folder.matching(RANK_OPTIMIZER_FILE.pattern):
+        return []  # an FSDP shape: its groups are not read here
+    read = Folder(source, folder.base)  # its own: `open` adds the components in its order
+    opened = {}
+    for name, _ in (*optimizers, *schedulers):
+        checkpoint = read.add(name, name, "torch")
+        if checkpoint is None:
+            return []  # unreadable: the layout's open reports it
+        opened[name] = checkpoint
+    if any("total_steps" in opened[name].manifest.by_name for name, _ in schedulers):
+        return []  # OneCycleLR sets `initial_lr` itself
+    initial: list[list[float]] = []
+    for name, _ in optimizers:
+        checkpoint = opened[name]
+        groups = sorted(
+            {
+                int(m.group(1))
+                for n in checkpoint.manifest.by_name
+                if (m := re.fullmatch(r"param_groups\.(\d+)\.initial_lr", n))
+            }
+        )
+        lrs = [value_of(checkpoint, f"param_groups.{g}.initial_lr") for g in groups]
+        if lrs and all(type(v) is float for v in lrs):
+            initial.append(lrs)
+    if len(initial) != len(optimizers):
+        return []  # an optimizer no scheduler set up, or groups not read: nothing to compare
+    saved = ", ".join(name for name, _ in optimizers)
+    lost = f"optimizer_{max(i for _, i in optimizers) + 1}{TORCH_BIN_SUFFIX}"
+    for name, _ in schedulers:
+        checkpoint = opened[name]
+        base = _lrs(value_of(checkpoint, "base_lrs"))
+        if base is None or base in initial:
+            continue
+        return [
+            Problem(
+                code="missing_component",
+                message=f"is missing: {name} steps an optimizer whose learning rates "
+                f"(base_lrs {base}) are none of the optimizer states saved ({saved}); "
+                "accelerate's save_state writes every prepared optimizer's state, so "
+                f"{lost} was lost and this save cannot resume training where it stopped "
+                "(load_state looks for it)",
+                file=source.storage.describe(folder.rel(lost)),
+                fix=LOST_SINCE_FIX,
+            )
+        ]
+    return []
 
 
 #: the shapes of object i's state `save_state` writes, by object: (stem, suffix, whether object 0

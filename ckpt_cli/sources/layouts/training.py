@@ -385,6 +385,19 @@ def all_models(checkpoint: Checkpoint, state: TrainingState) -> None:
         state.optimizer = combined
 
 
+def all_schedulers(checkpoint: Checkpoint, state: TrainingState) -> None:
+    """With several LR schedulers saved (accelerate numbers its prepared schedulers:
+    `scheduler`, `scheduler_1`...), each one's summary in `state.schedulers`; `load_state`
+    restores every one, so every one is described. `state.scheduler` stays the first's."""
+    names = numbered_keys(top_keys(checkpoint.manifest), "scheduler")
+    if len(names) < 2:
+        return
+    for name in names:
+        summary = _scheduler(checkpoint, f"{name}.")
+        if summary is not None:
+            state.schedulers[name] = summary
+
+
 def numbered_keys(keys: Iterable[str], stem: str) -> list[str]:
     """The top-level keys accelerate numbers for its i-th prepared object of a kind (`model`,
     `model_1`, `model_2`...), in that order."""

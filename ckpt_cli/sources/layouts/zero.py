@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from ...errors import FormatError, NotFoundError
 from ...formats.base import NAMES_FIX, Checkpoint, Source
 from ...models import Entry, Manifest, Problem, ProblemList
 from .details import ZeroDetails
+from .ranks import check_file_number
 
 if TYPE_CHECKING:
     import torch
@@ -232,15 +234,25 @@ MAX_ZERO_RANKS = 1 << 20
 
 
 def expected_partitions(
-    base: str, files: set[str], saved: SavedSizes, where: str
+    base: str,
+    files: set[str],
+    saved: SavedSizes,
+    where: str,
+    describe: Callable[[str], str] = str,
 ) -> tuple[int, int | None, int, list[str]] | None:
     """(stage, dp_world_size, mp_world_size, the files every rank's partition needs) of the
     ZeRO save in tag folder `base`, among `files` (paths of the run or tag folder), from what
     its model states `where` record (`saved`); None for ZeRO stage 0. Without a recorded
     dp_world_size only the ranks present are expected. FormatError naming `where` when the
-    ranks recorded are more than `MAX_ZERO_RANKS`."""
+    ranks recorded are more than `MAX_ZERO_RANKS`, and naming a partition file (`describe`d)
+    numbered past any run (`check_file_number`): DeepSpeed's loader and `zero_to_fp32` take
+    every `*_optim_states.pt` of the folder, so `verify`, `latest` and `prune` all refuse it."""
     present_optim = {r for r in files if r.startswith(base) and _OPTIM.fullmatch(r)}
     present_model3 = {r for r in files if r.startswith(base) and _MODEL3.fullmatch(r)}
+    for rel in sorted(present_optim | present_model3):
+        match = _OPTIM.fullmatch(rel) or _MODEL3.fullmatch(rel)
+        if match:
+            check_file_number(max(int(match.group(1)), int(match.group(2))), describe(rel))
     stage: int | None = None
     if present_model3:
         stage = 3
@@ -335,7 +347,8 @@ def zero_partitions(
         (rel for comp, (rel, _) in parts.items() if components.get(comp) is model), "model states"
     )
     saved = _saved_sizes(model)
-    plan = expected_partitions(base, files, saved, source.storage.describe(model_file))
+    describe = source.storage.describe
+    plan = expected_partitions(base, files, saved, describe(model_file), describe)
     if plan is None:
         return None  # ZeRO stage 0: the optimizer lives in the model states
     stage, dp, mp, expected = plan

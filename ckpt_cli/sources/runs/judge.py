@@ -664,7 +664,9 @@ def _zero_partition_problem(storage: Storage, folder: str, files: Mapping[str, i
         return f"{storage.describe(model)}: truncated or corrupt torch.save file ({exc})"
     saved = SavedSizes(dp=sizes.get("dp_world_size"), mp=sizes.get("mp_world_size"))
     try:
-        plan = expected_partitions(f"{folder}/", set(files), saved, storage.describe(model))
+        plan = expected_partitions(
+            f"{folder}/", set(files), saved, storage.describe(model), storage.describe
+        )
     except CkptError as exc:  # more ranks than any run: no save to resume
         return exc.stated
     missing = [rel for rel in plan[3] if rel not in files] if plan else []
