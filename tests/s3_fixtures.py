@@ -256,9 +256,11 @@ def _serve(monkeypatch: pytest.MonkeyPatch, tls: tuple[Path, Path] | None) -> It
         import ssl
 
         trusted = ssl.create_default_context(cafile=str(tls[0]))
+    # moto imports its backends on the first request: seconds, more on a loaded machine (a
+    # 10 s limit here timed out once in the fast loop at load 4)
     urllib.request.urlopen(
         urllib.request.Request(f"{server.endpoint}/moto-api/reset", method="POST"),
-        timeout=10,
+        timeout=120,
         context=trusted,
     ).close()
     server.requests.clear()
