@@ -29,8 +29,10 @@ app = CkptTyper(
     cls=CkptGroup,
     name="ckpt",
     help=(
-        "Inspect, verify, convert, reshard, prune, download and diff sharded and resumable "
-        "training checkpoints (safetensors, PyTorch DCP, torch.save, Hugging Face Hub)."
+        "Inspect, verify, convert, reshard, prune, sync, download, diff, merge, protect and "
+        "repair sharded and resumable training checkpoints (safetensors, PyTorch DCP, "
+        "torch.save, GGUF; on disk, the Hugging Face Hub and object stores), and find why a "
+        "resumed run diverged."
     ),
     epilog=f"Documentation: {docs_url()}",
     no_args_is_help=True,
@@ -143,7 +145,8 @@ def _root(
         ),
     ] = False,
 ) -> None:
-    """Inspect, verify, convert, reshard, prune, download and diff training checkpoints."""
+    """Inspect, verify, convert, reshard, prune, sync, download, diff, merge, protect and repair
+    training checkpoints, and find why a resumed run diverged."""
 
 
 def run_command(
