@@ -15,6 +15,7 @@ the cached listing, so the next listing sees it.
 from __future__ import annotations
 
 import contextlib
+import glob
 import sys
 import threading
 import time
@@ -431,6 +432,13 @@ class FsspecStorage(Storage):
 
         rel = safe_relpath(rel, source=self.display)
         return RemoteDest(url=self.describe(rel), fs=self.fs, path=self._full(rel))
+
+
+def literal(path: str) -> str:
+    """`path` spelt so that fsspec's path-expanding calls (`rm`, `copy`, `expand_path`) read it
+    as itself: they take `*`, `?` and `[` as glob patterns, so a key holding one would name
+    other objects (a prefix `r?n/` matching `run/`) or none."""
+    return glob.escape(path)
 
 
 def read_pinned(fs: Any, path: str, start: int, end: int, etag: str) -> bytes:
