@@ -401,7 +401,8 @@ class FsspecStorage(Storage):
     def copy(self, src: str, rel: str) -> None:
         full = self._full(rel)
         try:
-            self.fs.copy(self._full(src), full)
+            # one object to one key: `fs.copy` would read `*?[` in a key as a glob pattern
+            self.fs.cp_file(self._full(src), full)
         except Exception as exc:
             raise remote_failure(exc, self.describe(rel), writing=True) from None
         finally:
@@ -419,7 +420,7 @@ class FsspecStorage(Storage):
                     self.fs.invalidate_cache(full)
                 return
             if self.fs.exists(full):  # an object, or a prefix with everything under it
-                self.fs.rm(full, recursive=True)
+                self.fs.rm(literal(full), recursive=True)
         except FileNotFoundError:
             pass
         except Exception as exc:
