@@ -396,3 +396,32 @@ def test_a_numbered_shard_set_without_its_index_and_with_shards_gone_fails_verif
         if p["code"] == "missing_shard"
     }
     assert missing == set(shards) - set(held)
+
+
+def test_a_repo_id_the_hub_cannot_hold_is_a_usage_error_and_a_spaced_subfolder_reads(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """A user pastes a name with a space into the repository part (`hf://org/my model`): the
+    Hub admits no such repository id, so ckpt says so (exit 2, the id and the rule named), not
+    "internal error" from huggingface_hub's validator. A space in the subfolder is fine: file
+    names on the Hub may hold one, and the weights there read as from disk."""
+    weights = state(3)
+    folder = tmp_path / "repo"
+    (folder / "my weights").mkdir(parents=True)
+    save_file(weights, folder / "my weights" / "model.safetensors")
+    hub.add_repo("org/model", folder)
+
+    for command in ("inspect", "verify", "download"):
+        args = [command, "hf://org/my model", "--json"]
+        if command == "download":
+            args.insert(2, str(tmp_path / "out"))
+        result = run_ckpt(*args)
+        assert result.exit_code == 2, result.stderr
+        error = result.json["error"]
+        assert "'org/my model' is not a Hub repository id" in error["message"], error
+        assert "internal error" not in result.stderr
+        assert not (tmp_path / "out").exists()
+
+    result = run_ckpt("download", "hf://org/model/my weights", tmp_path / "got", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert same(read_file(tmp_path / "got" / "model.safetensors"), weights)

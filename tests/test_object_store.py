@@ -956,3 +956,28 @@ def test_ctrl_c_while_the_lease_is_being_written_leaves_no_lease_behind(
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
     assert list_keys(s3_server.endpoint, "ckpts", "exports/") == []
+
+
+@pytest.mark.parametrize("prefix", ["exp [v2]/model", "sweep?/model", "lr*0.1/model"])
+def test_a_destination_whose_key_holds_a_glob_character_publishes_each_file_once(
+    s3_server: S3Server, tmp_path: Path, prefix: str
+) -> None:
+    """`[`, `?` and `*` are legal in S3 keys, and users put them in experiment names. fsspec's
+    `copy` and `rm` read them as glob patterns: the server-side copy into DEST failed ("the
+    bucket does not exist", the temporary prefix left behind) or published each file as a
+    folder of itself (`model.safetensors/model.safetensors`, which nothing then reads)."""
+    state = _model()
+    (tmp_path / "src").mkdir()
+    save_torch_state_dict(state, tmp_path / "src", max_shard_size=150_000)
+    make_bucket(s3_server.endpoint, "ckpts")
+    dest = f"s3://ckpts/{prefix}"
+    for force in ((), ("--force",)):  # a first write, then one replacing it
+        result = run_ckpt("convert", tmp_path / "src", dest, "--to", "safetensors", *force)
+        assert result.exit_code == 0, result.stderr
+        keys = list_keys(s3_server.endpoint, "ckpts")
+        assert all(".ckpt-tmp-" not in k for k in keys), keys
+        names = [k[len(prefix) + 1 :] for k in keys]
+        assert "model.safetensors" in names and all("/" not in n for n in names), names
+    assert run_ckpt("verify", dest).exit_code == 0
+    fetch_prefix(s3_server.endpoint, "ckpts", prefix, tmp_path / "back")
+    _assert_same(_safetensors(tmp_path / "back"), state)

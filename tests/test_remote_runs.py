@@ -333,3 +333,26 @@ def test_latest_and_prune_of_one_checkpoint_on_the_hub_name_no_folder_above_a_re
         assert "Point at the run folder" in error["fix"]
         one = run_ckpt(*command[:1], "hf://org/run/checkpoint-100", *command[1:], "--json")
         assert f"`ckpt {command[0]} hf://org/run" in one.json["error"]["fix"], one.stdout
+
+
+def test_prune_of_a_run_whose_prefix_holds_a_glob_character_deletes_only_that_run(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Two runs side by side in a bucket, `exp/run/` and `exp/r?n/` (a name a user chose, and
+    a legal S3 key): pruning the second must not touch the first. fsspec's `rm` reads `?`, `*`
+    and `[` as glob patterns, so `r?n/out/checkpoint-100/...` also named `run/out/...`."""
+    out = trainer_run(tmp_path)  # checkpoint-100 ... -500; the Trainer's best is 200
+    upload_folder(s3_server.endpoint, "ckpts", "exp/run", out)
+    upload_folder(s3_server.endpoint, "ckpts", "exp/r?n", out)
+    before = list_keys(s3_server.endpoint, "ckpts", "exp/run/")
+
+    pruned = run_ckpt(
+        "prune", "s3://ckpts/exp/r?n", "--keep-last", "1", "--settle", "0", "--yes", "--json"
+    )
+    assert pruned.exit_code == 0, pruned.stderr
+    assert list_keys(s3_server.endpoint, "ckpts", "exp/run/") == before
+    kept = {k.split("/")[2] for k in list_keys(s3_server.endpoint, "ckpts", "exp/r?n/")}
+    assert kept == {"checkpoint-200", "checkpoint-500"}  # the best, the newest
+    assert run_ckpt("latest", "s3://ckpts/exp/run").stdout.strip() == (
+        "s3://ckpts/exp/run/checkpoint-500"
+    )

@@ -37,7 +37,7 @@ from .local import (
     read_regular,
 )
 from .relpath import safe_relpath
-from .remote import FsspecStorage, filesystem_for
+from .remote import FsspecStorage, filesystem_for, literal
 from .remote_replies import remote_failure
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "hf_cache_repo",
     "is_parity_path",
     "is_staging_name",
+    "literal",
     "open_regular",
     "read_regular",
     "remote_failure",

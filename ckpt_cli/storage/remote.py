@@ -15,6 +15,7 @@ the cached listing, so the next listing sees it.
 from __future__ import annotations
 
 import contextlib
+import glob
 import sys
 import threading
 import time
@@ -400,7 +401,8 @@ class FsspecStorage(Storage):
     def copy(self, src: str, rel: str) -> None:
         full = self._full(rel)
         try:
-            self.fs.copy(self._full(src), full)
+            # one object to one key: `fs.copy` would read `*?[` in a key as a glob pattern
+            self.fs.cp_file(self._full(src), full)
         except Exception as exc:
             raise remote_failure(exc, self.describe(rel), writing=True) from None
         finally:
@@ -418,7 +420,7 @@ class FsspecStorage(Storage):
                     self.fs.invalidate_cache(full)
                 return
             if self.fs.exists(full):  # an object, or a prefix with everything under it
-                self.fs.rm(full, recursive=True)
+                self.fs.rm(literal(full), recursive=True)
         except FileNotFoundError:
             pass
         except Exception as exc:
@@ -431,6 +433,13 @@ class FsspecStorage(Storage):
 
         rel = safe_relpath(rel, source=self.display)
         return RemoteDest(url=self.describe(rel), fs=self.fs, path=self._full(rel))
+
+
+def literal(path: str) -> str:
+    """`path` spelt so that fsspec's path-expanding calls (`rm`, `copy`, `expand_path`) read it
+    as itself: they take `*`, `?` and `[` as glob patterns, so a key holding one would name
+    other objects (a prefix `r?n/` matching `run/`) or none."""
+    return glob.escape(path)
 
 
 def read_pinned(fs: Any, path: str, start: int, end: int, etag: str) -> bytes:

@@ -13,6 +13,9 @@ _URL = re.compile(r"^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*)://(?P<rest>.*)$")
 _HF_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
 #: object stores whose URLs start with a bucket (container): `s3://BUCKET/prefix`
 BUCKET_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})
+#: one part of a Hub repository id, as the Hub (and huggingface_hub's `validate_repo_id`)
+#: admits it: letters, digits, `-`, `_`, `.`; neither starting nor ending with `-` or `.`
+_HF_ID_PART = re.compile(r"^\b[\w\-.]{1,96}\b$")
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,19 @@ def _parse_hf(text: str, rest: str) -> Location:
             raise UsageError(
                 f"{text!r} has an empty revision after '@'", fix="Name a branch, tag or commit."
             )
+    repo_id = f"{org}/{name}"
+    if (
+        not all(_HF_ID_PART.match(part) for part in (org, name))
+        or "--" in repo_id
+        or ".." in repo_id
+        or name.endswith(".git")
+    ):
+        raise UsageError(
+            f"{text!r}: {repo_id!r} is not a Hub repository id",
+            fix="A repository id is ORG/NAME of letters, digits, '-', '_' and '.' (no spaces, "
+            "no '--' or '..', neither starting nor ending with '-' or '.'); check the "
+            "spelling, and quote the whole URL in the shell.",
+        )
     subfolder = "/".join(parts[2:])
     if any(p in ("..", ".") for p in parts[2:]):
         raise UsageError(
@@ -166,7 +182,7 @@ def _parse_hf(text: str, rest: str) -> Location:
     return Location(
         raw=text,
         kind="hf",
-        repo_id=f"{org}/{name}",
+        repo_id=repo_id,
         repo_type=repo_type,
         revision=revision,
         subfolder=subfolder,

@@ -167,7 +167,7 @@ def apply_remote(run_url: str, decisions: list[PruneDecision]) -> None:
     one with files missing; then the rest of its objects.
     """
     from ...formats.names import is_commit_marker
-    from ...storage import filesystem_for, remote_failure
+    from ...storage import filesystem_for, literal, remote_failure
     from ...storage.uri import parse_location
 
     fs, root = filesystem_for(parse_location(run_url))
@@ -183,10 +183,10 @@ def apply_remote(run_url: str, decisions: list[PruneDecision]) -> None:
                 continue
             first = [o for o in objects if is_commit_marker(o) or o.endswith(_REMOTE_MARKERS)]
             if first:
-                fs.rm(first)
+                fs.rm([literal(o) for o in first])
             rest = [o for o in objects if o not in first]
             if rest:
-                fs.rm(rest)
+                fs.rm([literal(o) for o in rest])
             fs.invalidate_cache(target)
             d.deleted = True
         except Exception as exc:  # each filesystem package raises its own errors
