@@ -501,6 +501,33 @@ def test_merge_refuses_trainable_tokens(tiny_llama: Path, tmp_path: Path) -> Non
         assert not (tmp_path / "merged").exists()
 
 
+def test_merge_refuses_layer_replication_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
+    """An adapter trained with peft's `layer_replication` (the base's layers stacked into more,
+    the copies sharing the base weights, each with its own LoRA update) was refused as "not
+    trained on this base" (exit 3). No merged base of the original layers is right, and peft's
+    own merge_and_unload adds every copy's update into the one shared weight: refused (exit 4)
+    naming layer_replication and what to do."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    adapter = tmp_path / "adapter"
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], layer_replication=[[0, 2]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = LlamaForCausalLM.from_pretrained(tiny_llama)
+        layers = model.config.num_hidden_layers
+        lora.layer_replication = [[0, layers], [layers - 1, layers]]
+        get_peft_model(model, lora).save_pretrained(adapter)
+    result = run_ckpt("merge", tiny_llama, adapter, tmp_path / "merged", "--json")
+    assert result.exit_code == 4, result.stdout
+    error = result.json["error"]
+    assert error["path"] == str(adapter / "adapter_config.json"), error
+    assert "layer_replication" in error["message"] and "not trained on" not in error["message"]
+    assert f"into {layers + 1} layers" in error["message"], error["message"]
+    assert "PeftModel.from_pretrained" in error["fix"]
+    assert not (tmp_path / "merged").exists()
+
+
 def test_merge_never_writes_over_or_into_its_sources(
     lora_adapter: Path, tiny_llama: Path, tmp_path: Path
 ) -> None:

@@ -1233,6 +1233,7 @@ def merge_with(
             path=adapter,
             fix="Merge it with peft's merge_and_unload.",
         )
+    _refuse_layer_replication(config, adapter)
     weights = next(
         (
             n
@@ -1467,6 +1468,36 @@ def _plan_variants(
         f"{VARIANT_LABELS[kind]} weights",
     )
     return variants, rest
+
+
+def _refuse_layer_replication(config: dict[str, Any], adapter: str) -> None:
+    """An adapter trained with peft's `layer_replication` updates layers the base does not have.
+
+    peft stacks the base's layers by the config's `[start, end)` ranges before it wraps them,
+    the copies sharing the base's weights, each copy with its own LoRA update: no merge into the
+    base's own layers is that model, and peft's own `merge_and_unload` adds every copy's update
+    into the one weight they share. Refused by name, not as "trained on another base"."""
+    ranges = config.get("layer_replication")
+    if not ranges:
+        return
+    stacked = None
+    if isinstance(ranges, list) and all(
+        isinstance(r, list)
+        and len(r) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in r)
+        for r in ranges
+    ):
+        stacked = sum(max(0, end - start) for start, end in ranges)
+    into = f" into {stacked} layers" if stacked is not None else ""
+    raise FormatError(
+        f"was trained with peft's layer_replication {json.dumps(ranges)[:200]}: peft stacked "
+        f"the base's layers{into}, the copies sharing the base weights and each copy with a "
+        "LoRA update of its own, so no merge into the base's layers is the trained model "
+        "(peft's own merge_and_unload adds every copy's update into the one weight they share)",
+        path=f"{adapter.rstrip('/')}/adapter_config.json",
+        fix="Use the adapter unmerged: PeftModel.from_pretrained(base, ADAPTER) replicates the "
+        "layers as in training.",
+    )
 
 
 def _refuse_pipeline_base(
