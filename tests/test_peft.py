@@ -1440,6 +1440,41 @@ def _load_both(base: Path, folder: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
 
 
+def test_merge_of_a_multi_adapter_folder_names_the_other_adapter_it_leaves(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`merge BASE FOLDER` merges the folder's default adapter, as peft's
+    `PeftModel.from_pretrained(base, FOLDER).merge_and_unload()` does, and listed `second/`'s
+    files as "its card, or training state saved beside it". They are another adapter of the
+    folder, named so, with the command that merges it; that command merges it as peft does."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    folder = tmp_path / "adapters"
+    _two_adapters(tiny_llama, folder)
+    result = run_ckpt("merge", tiny_llama, folder, tmp_path / "merged", "--json")
+    assert result.exit_code == 0, result.stdout
+    skipped = {s["name"]: s["reason"] for s in result.json["result"]["skipped"]}
+    for rel in ("second/adapter_config.json", "second/adapter_model.safetensors"):
+        reason = skipped[f"{folder}/{rel}"]
+        assert "card" not in reason and "another adapter of the folder ('second'," in reason
+        assert f"ckpt merge BASE {folder}/second" in reason
+    assert "card" in skipped[f"{folder}/README.md"]
+    alone = run_ckpt("merge", tiny_llama, folder / "second", tmp_path / "second", "--json")
+    assert alone.exit_code == 0, alone.stdout
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = LlamaForCausalLM.from_pretrained(tiny_llama)
+        model = PeftModel.from_pretrained(base, folder / "second").merge_and_unload()
+    expected = model.state_dict()
+    merged = load_file(tmp_path / "second" / "model.safetensors")
+    for name in (
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+    ):
+        assert torch.equal(merged[name], expected[name]), name
+
+
 def test_every_adapter_of_a_multi_adapter_folder_is_diffed_and_converted(
     tiny_llama: Path, tmp_path: Path
 ) -> None:

@@ -1579,15 +1579,32 @@ def _unused_files(
         SkippedEntry(
             name=f"{folder}/{rel}",
             kind="file",
-            reason="a hidden file: not part of the checkpoint"
-            if rel.rsplit("/", 1)[-1].startswith(".")
-            else "a file of the adapter folder (its card, or training state saved beside it), "
-            "not of the merged model, which carries the base's config and tokenizer",
+            reason=_adapter_file_left(rel, folder, adapter_source),
         )
         for rel in sorted(adapter_source.files)
         if rel not in read and rel != "adapter_config.json"
     ]
     return skipped
+
+
+def _adapter_file_left(rel: str, folder: str, adapter_source: Source) -> str:
+    """Why file `rel` of ADAPTER (`folder`) is not in the merged model. peft's save_pretrained
+    writes every adapter but the default one in a subfolder named after it (`second/`, with its
+    own adapter_config.json): another adapter, which `merge` leaves as peft's
+    `PeftModel.from_pretrained(base, ADAPTER)` does, and merges when pointed at it."""
+    if rel.rsplit("/", 1)[-1].startswith("."):
+        return "a hidden file: not part of the checkpoint"
+    sub = rel.split("/", 1)[0] if "/" in rel else None
+    if sub is not None and f"{sub}/adapter_config.json" in adapter_source.files:
+        return (
+            f"a file of another adapter of the folder ({sub!r}, which peft saves beside the "
+            "default one): not merged, as peft's PeftModel.from_pretrained(base, ADAPTER) loads "
+            f"the default one alone; merge it on its own with `ckpt merge BASE {folder}/{sub}`"
+        )
+    return (
+        "a file of the adapter folder (its card, or training state saved beside it), not of "
+        "the merged model, which carries the base's config and tokenizer"
+    )
 
 
 def _shard_size(checkpoint: Checkpoint) -> int | None:
