@@ -331,6 +331,12 @@ CODES: dict[str, Code] = _codes(
         "a Trainer `checkpoint-N`'s trainer_state.json records another global_step than N "
         "(another save's file)",
     ),
+    Code(
+        "stray_partition",
+        _W,
+        "a DeepSpeed ZeRO partition of a rank past the save's recorded dp_world_size (another "
+        "save's, copied in): DeepSpeed's resume ignores it, zero_to_fp32 fails on it",
+    ),
     Code("unreadable_component", _E, "a component of a training folder cannot be read"),
     Code("zero_partition_mismatch", _E, "ZeRO partitions do not add up to the recorded shapes"),
     Code(

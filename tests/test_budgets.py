@@ -1348,3 +1348,41 @@ def test_a_zero_partition_numbered_past_any_run_is_no_latest(tmp_path: Path) -> 
     judged = ckpt_limited("latest", run, "--settle", "0")
     assert judged.exit_code == 3, judged.stdout
     assert_refused(judged, stray, "corrupt or crafted", exit_code=3)
+
+
+def test_a_stray_zero_partition_of_a_rank_the_save_did_not_have_is_named_and_left_out(
+    tmp_path: Path,
+) -> None:
+    # a `zero_pp_rank_3_..._optim_states.pt` copied into a save of dp_world_size 1: DeepSpeed's
+    # resume reads only ranks 0..dp_world_size-1, but zero_to_fp32 takes every
+    # `*_optim_states.pt` and fails ("Expected 1 ... found 2 files"). `verify` said OK and
+    # `convert --to torch` carried the stray partition into the output as `optim_states_3`.
+    from .conftest import run_ckpt
+
+    clean, run = tmp_path / "clean", tmp_path / "run"
+    _zero2_save(clean, 1)
+    _zero2_save(run, 1)
+    tag = run / "global_step12"
+    stray = tag / "zero_pp_rank_3_mp_rank_00_optim_states.pt"
+    shutil.copy(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", stray)
+    for src in (run, tag):
+        checked = run_ckpt("verify", src, "--json")
+        assert checked.exit_code == 0, checked.stdout  # a warning: DeepSpeed resumes the save
+        found = [p for p in checked.json["result"]["problems"] if p["code"] == "stray_partition"]
+        assert len(found) == 1, checked.stdout
+        assert found[0]["severity"] == "warning" and found[0]["file"] == str(stray)
+        assert "dp_world_size 1" in found[0]["message"] and "zero_to_fp32" in found[0]["message"]
+        assert f"Remove {stray.name}" in found[0]["fix"]
+    assert run_ckpt("latest", run, "--settle", "0").stdout.strip() == str(tag)
+    # convert carries the save as DeepSpeed resumes it: without the stray, which is skipped
+    outs = {}
+    for name, src in (("clean", clean / "global_step12"), ("stray", tag)):
+        converted = run_ckpt("convert", src, tmp_path / f"{name}.out", "--to", "torch", "--json")
+        assert converted.exit_code == 0, converted.stdout
+        outs[name] = converted.json["result"]
+        saved = torch.load(tmp_path / f"{name}.out" / "pytorch_model.bin", weights_only=True)
+        outs[name]["names"] = sorted(saved)
+    assert outs["stray"]["names"] == outs["clean"]["names"]
+    assert not any(n.startswith("optim_states_3") for n in outs["stray"]["names"])
+    skipped = {s["name"]: s["reason"] for s in outs["stray"]["skipped"]}
+    assert "stray" in skipped.get(stray.name, ""), outs["stray"]["skipped"]

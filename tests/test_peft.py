@@ -501,6 +501,33 @@ def test_merge_refuses_trainable_tokens(tiny_llama: Path, tmp_path: Path) -> Non
         assert not (tmp_path / "merged").exists()
 
 
+def test_merge_refuses_layer_replication_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
+    """An adapter trained with peft's `layer_replication` (the base's layers stacked into more,
+    the copies sharing the base weights, each with its own LoRA update) was refused as "not
+    trained on this base" (exit 3). No merged base of the original layers is right, and peft's
+    own merge_and_unload adds every copy's update into the one shared weight: refused (exit 4)
+    naming layer_replication and what to do."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    adapter = tmp_path / "adapter"
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], layer_replication=[[0, 2]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = LlamaForCausalLM.from_pretrained(tiny_llama)
+        layers = model.config.num_hidden_layers
+        lora.layer_replication = [[0, layers], [layers - 1, layers]]
+        get_peft_model(model, lora).save_pretrained(adapter)
+    result = run_ckpt("merge", tiny_llama, adapter, tmp_path / "merged", "--json")
+    assert result.exit_code == 4, result.stdout
+    error = result.json["error"]
+    assert error["path"] == str(adapter / "adapter_config.json"), error
+    assert "layer_replication" in error["message"] and "not trained on" not in error["message"]
+    assert f"into {layers + 1} layers" in error["message"], error["message"]
+    assert "PeftModel.from_pretrained" in error["fix"]
+    assert not (tmp_path / "merged").exists()
+
+
 def test_merge_never_writes_over_or_into_its_sources(
     lora_adapter: Path, tiny_llama: Path, tmp_path: Path
 ) -> None:
@@ -1411,6 +1438,41 @@ def _load_both(base: Path, folder: Path) -> dict[str, torch.Tensor]:
         model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), folder)
         model.load_adapter(str(folder / "second"), adapter_name="second")
     return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def test_merge_of_a_multi_adapter_folder_names_the_other_adapter_it_leaves(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`merge BASE FOLDER` merges the folder's default adapter, as peft's
+    `PeftModel.from_pretrained(base, FOLDER).merge_and_unload()` does, and listed `second/`'s
+    files as "its card, or training state saved beside it". They are another adapter of the
+    folder, named so, with the command that merges it; that command merges it as peft does."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    folder = tmp_path / "adapters"
+    _two_adapters(tiny_llama, folder)
+    result = run_ckpt("merge", tiny_llama, folder, tmp_path / "merged", "--json")
+    assert result.exit_code == 0, result.stdout
+    skipped = {s["name"]: s["reason"] for s in result.json["result"]["skipped"]}
+    for rel in ("second/adapter_config.json", "second/adapter_model.safetensors"):
+        reason = skipped[f"{folder}/{rel}"]
+        assert "card" not in reason and "another adapter of the folder ('second'," in reason
+        assert f"ckpt merge BASE {folder}/second" in reason
+    assert "card" in skipped[f"{folder}/README.md"]
+    alone = run_ckpt("merge", tiny_llama, folder / "second", tmp_path / "second", "--json")
+    assert alone.exit_code == 0, alone.stdout
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = LlamaForCausalLM.from_pretrained(tiny_llama)
+        model = PeftModel.from_pretrained(base, folder / "second").merge_and_unload()
+    expected = model.state_dict()
+    merged = load_file(tmp_path / "second" / "model.safetensors")
+    for name in (
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+    ):
+        assert torch.equal(merged[name], expected[name]), name
 
 
 def test_every_adapter_of_a_multi_adapter_folder_is_diffed_and_converted(

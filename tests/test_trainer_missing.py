@@ -355,3 +355,35 @@ def test_a_trainer_state_whose_global_step_key_was_damaged_is_no_resume(tmp_path
     ], errors
     assert "global_step" in errors[0]["message"]
     assert run_ckpt("latest", tmp_path).exit_code != 0
+
+
+def test_a_trainer_state_with_a_key_the_trainer_does_not_know_is_no_resume(
+    tmp_path: Path,
+) -> None:
+    # a damaged key (`epoch` -> `epocj`): `TrainerState.load_from_json` is `TrainerState(**json)`
+    # and fails on the key it does not know, so `resume_from_checkpoint` does; verify called the
+    # save resumable and latest chose it. A key missing (`log_history`) takes its default there:
+    # the save resumes, and verify agrees.
+    from .run_fixtures import trainer_checkpoint
+
+    transformers = pytest.importorskip("transformers")
+    save = tmp_path / "checkpoint-100"
+    trainer_checkpoint(save, 100)
+    path = save / "trainer_state.json"
+    state = json.loads(path.read_text())
+    del state["log_history"]
+    path.write_text(json.dumps(state))
+    transformers.TrainerState.load_from_json(str(path))
+    assert run_ckpt("verify", save, "--resumable").exit_code == 0
+
+    state["epocj"] = state.pop("epoch")
+    path.write_text(json.dumps(state))
+    with pytest.raises(TypeError, match="epocj"):
+        transformers.TrainerState.load_from_json(str(path))
+    found = run_ckpt("verify", save, "--resumable", "--json")
+    assert found.exit_code == 1, found.stdout
+    errors = [p for p in found.json["result"]["problems"] if p["severity"] == "error"]
+    assert [(p["code"], p["file"]) for p in errors] == [("unreadable_component", str(path))]
+    assert "'epocj'" in errors[0]["message"] and "TrainerState" in errors[0]["message"]
+    assert "Put back the trainer_state.json" in errors[0]["fix"]
+    assert run_ckpt("latest", tmp_path).exit_code != 0

@@ -1233,6 +1233,7 @@ def merge_with(
             path=adapter,
             fix="Merge it with peft's merge_and_unload.",
         )
+    _refuse_layer_replication(config, adapter)
     weights = next(
         (
             n
@@ -1469,6 +1470,36 @@ def _plan_variants(
     return variants, rest
 
 
+def _refuse_layer_replication(config: dict[str, Any], adapter: str) -> None:
+    """An adapter trained with peft's `layer_replication` updates layers the base does not have.
+
+    peft stacks the base's layers by the config's `[start, end)` ranges before it wraps them,
+    the copies sharing the base's weights, each copy with its own LoRA update: no merge into the
+    base's own layers is that model, and peft's own `merge_and_unload` adds every copy's update
+    into the one weight they share. Refused by name, not as "trained on another base"."""
+    ranges = config.get("layer_replication")
+    if not ranges:
+        return
+    stacked = None
+    if isinstance(ranges, list) and all(
+        isinstance(r, list)
+        and len(r) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in r)
+        for r in ranges
+    ):
+        stacked = sum(max(0, end - start) for start, end in ranges)
+    into = f" into {stacked} layers" if stacked is not None else ""
+    raise FormatError(
+        f"was trained with peft's layer_replication {json.dumps(ranges)[:200]}: peft stacked "
+        f"the base's layers{into}, the copies sharing the base weights and each copy with a "
+        "LoRA update of its own, so no merge into the base's layers is the trained model "
+        "(peft's own merge_and_unload adds every copy's update into the one weight they share)",
+        path=f"{adapter.rstrip('/')}/adapter_config.json",
+        fix="Use the adapter unmerged: PeftModel.from_pretrained(base, ADAPTER) replicates the "
+        "layers as in training.",
+    )
+
+
 def _refuse_pipeline_base(
     base: str, adapter: str, dest: str, base_source: Source, config: dict[str, Any]
 ) -> None:
@@ -1548,15 +1579,32 @@ def _unused_files(
         SkippedEntry(
             name=f"{folder}/{rel}",
             kind="file",
-            reason="a hidden file: not part of the checkpoint"
-            if rel.rsplit("/", 1)[-1].startswith(".")
-            else "a file of the adapter folder (its card, or training state saved beside it), "
-            "not of the merged model, which carries the base's config and tokenizer",
+            reason=_adapter_file_left(rel, folder, adapter_source),
         )
         for rel in sorted(adapter_source.files)
         if rel not in read and rel != "adapter_config.json"
     ]
     return skipped
+
+
+def _adapter_file_left(rel: str, folder: str, adapter_source: Source) -> str:
+    """Why file `rel` of ADAPTER (`folder`) is not in the merged model. peft's save_pretrained
+    writes every adapter but the default one in a subfolder named after it (`second/`, with its
+    own adapter_config.json): another adapter, which `merge` leaves as peft's
+    `PeftModel.from_pretrained(base, ADAPTER)` does, and merges when pointed at it."""
+    if rel.rsplit("/", 1)[-1].startswith("."):
+        return "a hidden file: not part of the checkpoint"
+    sub = rel.split("/", 1)[0] if "/" in rel else None
+    if sub is not None and f"{sub}/adapter_config.json" in adapter_source.files:
+        return (
+            f"a file of another adapter of the folder ({sub!r}, which peft saves beside the "
+            "default one): not merged, as peft's PeftModel.from_pretrained(base, ADAPTER) loads "
+            f"the default one alone; merge it on its own with `ckpt merge BASE {folder}/{sub}`"
+        )
+    return (
+        "a file of the adapter folder (its card, or training state saved beside it), not of "
+        "the merged model, which carries the base's config and tokenizer"
+    )
 
 
 def _shard_size(checkpoint: Checkpoint) -> int | None:

@@ -7,7 +7,7 @@ import re
 
 from ...errors import NotFoundError
 from ...formats.base import Checkpoint, Source
-from ...models import Entry
+from ...models import Entry, Problem
 from ...sizes import counted
 from ...storage import safe_relpath
 from .base import Layout, OpenedSource, Placeholder
@@ -116,10 +116,18 @@ class DeepSpeed(Layout):
             return None
         if "latest" in top:
             folder.used.add("latest")
-        folder.add("model_states", models[0], "torch")
+        from .zero import saved_sizes, stray_partitions
+
+        model = folder.add("model_states", models[0], "torch")
+        # another save's partitions copied in: not this save's, named and left out
+        sizes = saved_sizes(model) if model is not None else None
+        strays = stray_partitions(folder.names, sizes) if sizes is not None else {}
+        if sizes is not None:
+            _leave_out_strays(folder, strays, sizes.dp, sizes.mp or 1)
         for extra in models[1:]:
-            folder.add(extra.removesuffix(".pt"), extra, "torch")
-        optim = folder.matching(r".*optim_states\.pt")
+            if extra not in strays:
+                folder.add(extra.removesuffix(".pt"), extra, "torch")
+        optim = [n for n in folder.matching(r".*optim_states\.pt") if n not in strays]
         # eco: tensor-parallel saves have one partition per (dp, mp) rank: name both
         tp = any("_mp_rank_00_" not in name for name in optim)
         folder.add_many("optim_states", optim, "torch", index=_TP_INDEX if tp else r"rank_(\d+)_")
@@ -188,6 +196,33 @@ class DeepSpeed(Layout):
         files = {comp: rel for comp, (rel, _) in folder.parts.items()}
         opened.placeholders = zero3_placeholders(checkpoint, files, mp)
         return opened
+
+
+def _leave_out_strays(
+    folder: Folder, strays: dict[str, tuple[int, int]], dp: int | None, mp: int
+) -> None:
+    """List each stray ZeRO partition (`stray_partitions`) of a save recording `dp` x `mp`
+    ranks as a file left out, with a warning: DeepSpeed resumes the save without it, but
+    `zero_to_fp32` fails on it."""
+    for name, (rank, mp_rank) in sorted(strays.items()):
+        rel = folder.rel(name)
+        folder.listed_files[rel] = (
+            f"a stray ZeRO partition (rank {rank}, mp rank {mp_rank}) of a rank the save did "
+            f"not have (dp_world_size {dp}, mp_world_size {mp}): not part of the save"
+        )
+        folder.problems.append(
+            Problem(
+                code="stray_partition",
+                message=f"{name} is the ZeRO partition of data-parallel rank {rank}, mp rank "
+                f"{mp_rank}, but the save recorded dp_world_size {dp} and mp_world_size {mp}: "
+                "DeepSpeed's resume ignores it, but zero_to_fp32 takes every "
+                "*_optim_states.pt of the folder and fails on it; ckpt leaves it out",
+                file=folder.source.storage.describe(rel),
+                severity="warning",
+                fix=f"Remove {name} from the folder: it belongs to another save or run, copied "
+                "in (the save's own partitions are those of ranks below dp_world_size).",
+            )
+        )
 
 
 def _tag_base(source: Source) -> str | None:

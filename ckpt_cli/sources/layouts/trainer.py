@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from ...formats.base import Source
 from ...formats.names import SLIM_RECORD
@@ -394,6 +395,53 @@ def _holds(folder: Folder, name: str) -> bool:
     return folder.has_dir(name[:-1]) if name.endswith("/") else folder.has(name)
 
 
+#: the fields of transformers' `TrainerState` (4.x/5.x), which `TrainerState.load_from_json`
+#: takes as keyword arguments: a file holding only these needs no import of transformers
+TRAINER_STATE_FIELDS = frozenset(
+    (
+        "epoch",
+        "global_step",
+        "max_steps",
+        "logging_steps",
+        "eval_steps",
+        "save_steps",
+        "train_batch_size",
+        "num_train_epochs",
+        "num_input_tokens_seen",
+        "total_flos",
+        "log_history",
+        "best_metric",
+        "best_global_step",
+        "best_model_checkpoint",
+        "is_local_process_zero",
+        "is_world_process_zero",
+        "is_hyper_param_search",
+        "trial_name",
+        "trial_params",
+        "stateful_callbacks",
+    )
+)
+
+
+def _unknown_trainer_state_keys(doc: dict[str, Any]) -> list[str]:
+    """The keys of a trainer_state.json that `TrainerState(**json)` refuses (TypeError on
+    resume). Keys outside `TRAINER_STATE_FIELDS` are checked against the installed
+    transformers' `TrainerState` dataclass (a newer version may have more fields); without
+    transformers, against the fixed list alone. The import (seconds) happens only then."""
+    extra = sorted(str(k) for k in doc if k not in TRAINER_STATE_FIELDS)
+    if not extra:
+        return []
+    import dataclasses
+    import importlib
+
+    try:
+        module = importlib.import_module("transformers.trainer_callback")
+        fields = {f.name for f in dataclasses.fields(module.TrainerState)}
+    except (ImportError, AttributeError, TypeError):
+        return extra
+    return [k for k in extra if k not in fields]
+
+
 def _foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
     """The Trainer names each checkpoint after the `global_step` its `trainer_state.json`
     records (`checkpoint-{global_step}`), and `resume_from_checkpoint` restarts at that step,
@@ -430,6 +478,21 @@ def _foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
                 fix="Put back the trainer_state.json written with this save (from a copy of the "
                 "checkpoint), or resume from another checkpoint of the run (`ckpt latest "
                 "RUN_DIR` names the newest whole one).",
+            )
+        ]
+    unknown = _unknown_trainer_state_keys(doc) if isinstance(doc, dict) else []
+    if unknown:
+        keys = ", ".join(repr(k) for k in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        return [
+            Problem(
+                code="unreadable_component",
+                message=f"holds key(s) {keys} that transformers' TrainerState does not have: "
+                "the Trainer's `resume_from_checkpoint` fails on it (`TrainerState."
+                "load_from_json` is `TrainerState(**json)`: TypeError on an unknown key)",
+                file=source.storage.describe(rel),
+                fix="Put back the trainer_state.json written with this save (from a copy of the "
+                "checkpoint), or fix the damaged key by hand, or resume from another checkpoint "
+                "of the run (`ckpt latest RUN_DIR` names the newest whole one).",
             )
         ]
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -299,7 +299,7 @@ def expected_partitions(
 RANK0_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
-def _saved_sizes(model: Checkpoint) -> SavedSizes:
+def saved_sizes(model: Checkpoint) -> SavedSizes:
     """`SavedSizes` of an opened model-states file."""
     return SavedSizes(
         dp=_leaf(model, "dp_world_size"),
@@ -307,6 +307,25 @@ def _saved_sizes(model: Checkpoint) -> SavedSizes:
         stage=_leaf(model, "ds_config", "zero_optimization", "stage"),
         bf16=_leaf(model, "ds_config", "bf16", "enabled"),
     )
+
+
+def stray_partitions(names: Iterable[str], saved: SavedSizes) -> dict[str, tuple[int, int]]:
+    """The ZeRO partition files among `names` (of one tag folder) numbered for a rank the save
+    did not have: data-parallel rank >= the recorded dp_world_size, or model-parallel rank >=
+    mp_world_size (file -> (dp rank, mp rank)); none when dp_world_size is not recorded.
+
+    DeepSpeed's resume opens only the ranks its model states record, so such a file (another
+    save's, copied in) is not part of the save; but `zero_to_fp32` takes every
+    `*_optim_states.pt` of the folder and fails on it, so the layout names it and leaves it out."""
+    dp, mp = _positive(saved.dp), _positive(saved.mp) or 1
+    if dp is None:
+        return {}
+    out: dict[str, tuple[int, int]] = {}
+    for name in names:
+        match = _OPTIM.fullmatch(name) or _MODEL3.fullmatch(name)
+        if match and (int(match.group(1)) >= dp or int(match.group(2)) >= mp):
+            out[name] = (int(match.group(1)), int(match.group(2)))
+    return out
 
 
 def zero_partitions(
@@ -346,7 +365,7 @@ def zero_partitions(
     model_file = next(
         (rel for comp, (rel, _) in parts.items() if components.get(comp) is model), "model states"
     )
-    saved = _saved_sizes(model)
+    saved = saved_sizes(model)
     describe = source.storage.describe
     plan = expected_partitions(base, files, saved, describe(model_file), describe)
     if plan is None:
