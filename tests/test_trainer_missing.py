@@ -6,13 +6,18 @@ checkpoint without one is fine."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 
-from .conftest import run_ckpt
+from ckpt_cli.sources.layouts.trainer import TRAINER_STATE_FIELDS
+
+from .conftest import REPO, run_ckpt
 
 
 def test_deleted_optimizer_fails_plain_verify(
@@ -387,3 +392,57 @@ def test_a_trainer_state_with_a_key_the_trainer_does_not_know_is_no_resume(
     assert "'epocj'" in errors[0]["message"] and "TrainerState" in errors[0]["message"]
     assert "Put back the trainer_state.json" in errors[0]["fix"]
     assert run_ckpt("latest", tmp_path).exit_code != 0
+
+
+def test_the_key_check_imports_no_torch_and_without_transformers_names_only_sure_damage(
+    tmp_path: Path,
+) -> None:
+    # verify reads the installed transformers' TrainerState fields from its source: importing
+    # transformers imports torch (seconds), which a metadata command never does
+    from .run_fixtures import trainer_checkpoint
+
+    save = tmp_path / "checkpoint-100"
+    trainer_checkpoint(save, 100)
+    path = save / "trainer_state.json"
+    state = json.loads(path.read_text())
+    state["epocj"] = state.pop("epoch")
+    path.write_text(json.dumps(state))
+    script = (
+        "import sys; from ckpt_cli import verify; "
+        f"r = verify({str(save)!r}, resumable=True); "
+        "assert [p.code for p in r.problems if p.severity == 'error'] == "
+        "['unreadable_component'], r.problems; "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+    # a machine without transformers: a key past the list beside every field the Trainer
+    # writes may be a newer transformers' field, and is not called damage; a damaged one is
+    state["epoch"] = state.pop("epocj")
+    for field in TRAINER_STATE_FIELDS - state.keys():  # what a real Trainer writes beside
+        state[field] = None
+    state["a_field_of_a_newer_transformers"] = 1
+    path.write_text(json.dumps(state))
+    hidden = (
+        "import importlib.util, sys; real = importlib.util.find_spec; "
+        "importlib.util.find_spec = lambda name, *a: None if name == 'transformers' "
+        "else real(name, *a); from ckpt_cli import verify; "
+    )
+    newer = hidden + (
+        f"r = verify({str(save)!r}, resumable=True); "
+        "assert not [p for p in r.problems if p.severity == 'error'], r.problems"
+    )
+    proc = subprocess.run([sys.executable, "-c", newer], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    del state["a_field_of_a_newer_transformers"]
+    state["epocj"] = state.pop("epoch")
+    path.write_text(json.dumps(state))
+    damaged = hidden + (
+        f"r = verify({str(save)!r}, resumable=True); "
+        "assert [p.code for p in r.problems if p.severity == 'error'] == "
+        "['unreadable_component'], r.problems"
+    )
+    proc = subprocess.run([sys.executable, "-c", damaged], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -396,7 +397,7 @@ def _holds(folder: Folder, name: str) -> bool:
 
 
 #: the fields of transformers' `TrainerState` (4.x/5.x), which `TrainerState.load_from_json`
-#: takes as keyword arguments: a file holding only these needs no import of transformers
+#: takes as keyword arguments, and which the Trainer writes every one of (`dataclasses.asdict`)
 TRAINER_STATE_FIELDS = frozenset(
     (
         "epoch",
@@ -423,23 +424,50 @@ TRAINER_STATE_FIELDS = frozenset(
 )
 
 
-def _unknown_trainer_state_keys(doc: dict[str, Any]) -> list[str]:
-    """The keys of a trainer_state.json that `TrainerState(**json)` refuses (TypeError on
-    resume). Keys outside `TRAINER_STATE_FIELDS` are checked against the installed
-    transformers' `TrainerState` dataclass (a newer version may have more fields); without
-    transformers, against the fixed list alone. The import (seconds) happens only then."""
-    extra = sorted(str(k) for k in doc if k not in TRAINER_STATE_FIELDS)
-    if not extra:
-        return []
-    import dataclasses
-    import importlib
+@functools.cache
+def installed_trainer_state_fields() -> frozenset[str] | None:
+    """The fields of the installed transformers' `TrainerState`, read from its source with
+    `ast` (importing transformers imports torch: seconds, and a metadata command imports no
+    torch); None without transformers, or where its source does not show the class."""
+    import ast
+    import importlib.util
+    from pathlib import Path
 
     try:
-        module = importlib.import_module("transformers.trainer_callback")
-        fields = {f.name for f in dataclasses.fields(module.TrainerState)}
-    except (ImportError, AttributeError, TypeError):
-        return extra
-    return [k for k in extra if k not in fields]
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "trainer_callback.py"
+    try:
+        if path.stat().st_size > 4 << 20:
+            return None
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "TrainerState":
+            return frozenset(
+                statement.target.id
+                for statement in node.body
+                if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+            )
+    return None
+
+
+def _unknown_trainer_state_keys(doc: dict[str, Any]) -> list[str]:
+    """The keys of a trainer_state.json that `TrainerState(**json)` refuses (TypeError on
+    resume), where that is sure: the installed transformers' `TrainerState` lacks them; or,
+    without transformers here, they are outside `TRAINER_STATE_FIELDS` while a field of it
+    the Trainer always writes is missing (a key damaged in place: `epoch` -> `epocj`). A key
+    outside the list with every field there may be a newer transformers' field: not named."""
+    installed = installed_trainer_state_fields()
+    known = installed if installed is not None else TRAINER_STATE_FIELDS
+    unknown = sorted(str(k) for k in doc if k not in known)
+    if installed is None and doc.keys() >= TRAINER_STATE_FIELDS:
+        return []
+    return unknown
 
 
 def _foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
