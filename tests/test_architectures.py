@@ -1494,6 +1494,34 @@ def test_a_relative_ckpt_does_not_know_is_mapped_with_a_warning(tmp_path: Path) 
     assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
+@needs_frameworks
+@pytest.mark.frameworks
+def test_a_relative_whose_model_is_not_a_llama_is_refused_not_mapped(tmp_path: Path) -> None:
+    """A Gemma has a Llama's tensor names, but not its model: its RMSNorm scales by
+    (1 + weight), its embeddings by the square root of the width, and its MLP is GELU. Mapped
+    by Llama's rules it became a torchtitan Llama 3 that computes something else, with only a
+    warning; it is refused now, and so is any relative whose activation is not SiLU."""
+    from transformers import GemmaConfig, GemmaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    small = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64,
+    )  # fmt: skip
+    GemmaForCausalLM(GemmaConfig(**small, head_dim=8)).save_pretrained(tmp_path / "gemma")
+    MistralForCausalLM(MistralConfig(**small, hidden_act="gelu")).save_pretrained(tmp_path / "gelu")
+    for src, why in (("gemma", "(1 + weight)"), ("gelu", "'gelu'")):
+        for to in ("torchtitan", "megatron"):
+            r = run_ckpt("convert", tmp_path / src, tmp_path / f"{src}-{to}", "--to", to, "--json")
+            assert r.exit_code == 4, r.stdout
+            error = json.loads(r.stdout)["error"]
+            assert why in error["message"] and "Llama 3" in error["message"], error
+            assert "--to safetensors" in error["fix"]
+            assert not (tmp_path / f"{src}-{to}").exists()
+    # the tensors as they are: any format, no family
+    assert run_ckpt("convert", tmp_path / "gemma", tmp_path / "dcp", "--to", "dcp").exit_code == 0
+
+
 @pytest.mark.parametrize("to", ["hf", "torchtitan"])
 def test_a_config_claiming_an_untied_lm_head_the_weights_lack_is_refused(
     tmp_path: Path, to: str

@@ -644,6 +644,9 @@ class Architecture(ABC):
     float32: ClassVar[Mapping[str, Sequence[str]]] = {}
     #: a family with no native naming (gpt-oss): its HF tensor patterns, copied as they are
     hf_names: ClassVar[tuple[str, ...]] = ()
+    #: the MLP activations (config.json's `hidden_act`) the family's models compute; a config of
+    #: a family ckpt does not map naming another is no model of this one. Empty: not checked
+    activations: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def args_from_source(cls, checkpoint: Checkpoint, naming: str) -> ModelArgs:

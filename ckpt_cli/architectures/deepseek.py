@@ -156,6 +156,7 @@ class DeepseekV3(Architecture):
     name = "deepseek-v3"
     title = "DeepSeek-V3"
     hf_model_types = ("deepseek_v3",)
+    activations = ("silu", "swish")
     torchtitan_models = "torchtitan.models.deepseek_v3"
     rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
         TITAN: [

@@ -148,6 +148,7 @@ class _Decoder(Architecture):
     # Megatron shares the embedding with the output (share_embeddings_and_output_weights)
     # by leaving `output_layer.weight` out
     optional: ClassVar[Mapping[str, Sequence[str]]] = {MEGATRON: ("output_layer.weight",)}
+    activations: ClassVar[tuple[str, ...]] = ("silu", "swish")
 
     hf_architecture: ClassVar[str]
     hf_model_type: ClassVar[str]

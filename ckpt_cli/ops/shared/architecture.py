@@ -256,15 +256,40 @@ def agree_args(
         )
 
 
-def _same_family(arch: type[Architecture], model_type: object, where: str) -> list[str]:
+#: families ckpt maps none of whose tensors are named as one it maps, though their model is
+#: not that one: what each computes otherwise
+_NOT_IN_ALL_BUT_NAME = {
+    "gemma": "its RMSNorm scales by (1 + weight), not by weight, and it multiplies the "
+    "embeddings by the square root of hidden_size",
+}
+
+
+def _same_family(arch: type[Architecture], config: dict[str, Any], where: str) -> list[str]:
     """Refuse a `config.json` of another known family: transformers builds the model its
     `model_type` names, and these weights are not that model's (a Qwen3 config over Llama
     weights builds a Qwen3 whose q/k norms no tensor fills). A family ckpt does not know
     whose tensors are named as this one's (a Mistral's are a Llama's) is mapped, with a
-    warning: its names and shapes are this family's, its attention may not be."""
+    warning: its names and shapes are this family's, its attention may not be; unless ckpt
+    knows its model is not this family's (a Gemma's norms, another MLP activation): mapped,
+    it would be a model that computes something else, so it is refused."""
+    model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type in arch.hf_model_types:
         return []
     other = next((a for a in architectures() if model_type in a.hf_model_types), None)
+    activation = config.get("hidden_act")
+    differs = _NOT_IN_ALL_BUT_NAME.get(model_type)
+    other_activation = isinstance(activation, str) and activation not in arch.activations
+    if differs is None and arch.activations and other_activation:
+        differs = f"its MLP activation is {activation!r}, not {arch.activations[0]!r}"
+    if other is None and differs is not None:
+        raise FormatError(
+            f"config.json names model_type {model_type!r}, a family ckpt does not map; its "
+            f"tensors are named as {arch.title}'s, but it is no {arch.title}: {differs}, so "
+            f"mapped by {arch.title}'s rules it would compute something else",
+            path=where,
+            fix="Convert it with --to safetensors or --to dcp, which keep its tensors and their "
+            f"names; ckpt maps no {model_type} model to another framework's names.",
+        )
     if other is None:
         return [
             f"{where}: config.json names model_type {model_type!r}, a family ckpt does not "
@@ -461,7 +486,7 @@ def map_plan(
         dtypes = [i.source.dtype for i in tensors if i.source.dtype]
         # the dtype written: config.json's torch_dtype says what the weights are after --dtype
         dtype = cast or (max(set(dtypes), key=dtypes.count) if dtypes else None)
-        warnings = _same_family(arch, model_type, where) if config is not None else []
+        warnings = _same_family(arch, config, where) if config is not None else []
         args = _args(arch, shapes, naming, config, dtype, where, checkpoint)
         if flavor is not None:
             from ...architectures.flavors import flavor_args
