@@ -412,6 +412,26 @@ def test_ignore_dtype_without_a_tolerance_says_no_tolerance(tmp_path: Path) -> N
     assert "tolerance" not in result.stdout
 
 
+def test_a_lossless_dtype_change_says_the_values_are_equal(tmp_path: Path) -> None:
+    """A bf16 model against its float32 upcast, without tolerances: the verdict was only
+    "DIFFERENT: 1 of 1 entries differ", though every value is equal and --ignore-dtype
+    turns it into exit 0; with --atol the same verdict named --ignore-dtype."""
+    weights = torch.randn(8, 8).to(torch.bfloat16)
+    save_file({"w": weights}, tmp_path / "bf16.safetensors")
+    save_file({"w": weights.float()}, tmp_path / "fp32.safetensors")
+    a, b = tmp_path / "bf16.safetensors", tmp_path / "fp32.safetensors"
+    result = run_ckpt("diff", a, b)
+    assert result.exit_code == 1
+    assert result.stdout.splitlines()[0] == (
+        "DIFFERENT: 1 of 1 entries changed dtype (values equal; --ignore-dtype accepts that)"
+    )
+    assert run_ckpt("diff", a, b, "--ignore-dtype").exit_code == 0
+    changed = weights.float()
+    changed[0, 0] += 1
+    save_file({"w": changed}, b)
+    assert run_ckpt("diff", a, b).stdout.startswith("DIFFERENT: 1 of 1 entries differ")
+
+
 @pytest.mark.parametrize("weights_first", [True, False])
 def test_select_lines_up_a_plain_dcp_model_save_with_its_hf_weights(
     tiny_llama: Path, tmp_path: Path, weights_first: bool
