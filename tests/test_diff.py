@@ -127,6 +127,28 @@ def test_nan_in_the_same_place_is_equal_and_against_a_number_is_infinite() -> No
     assert tensor_stats(torch.tensor([0.0]), torch.tensor([-0.0]), None, None)[0] == 1
 
 
+def test_infinities_of_opposite_sign_are_outside_every_tolerance(tmp_path: Path) -> None:
+    """A weight that overflowed to -inf where the other run holds +inf was "within
+    tolerance" (exit 0) under any --atol: the bound `atol + rtol*|b|` is NaN at an infinity.
+    And an infinity equal on both sides made the report's max abs difference `inf`
+    (`inf - inf` is NaN) when the only change elsewhere was 0.0 against -0.0."""
+    inf = float("inf")
+    save_file({"w": torch.tensor([0.0, 1.0, inf, 2.0])}, tmp_path / "a.safetensors")
+    save_file({"w": torch.tensor([0.0, 1.0, -inf, 2.0])}, tmp_path / "b.safetensors")
+    save_file({"w": torch.tensor([-0.0, 1.0, inf, 2.5])}, tmp_path / "c.safetensors")
+    a, b, c = (tmp_path / f"{n}.safetensors" for n in "abc")
+    for tolerance in (["--atol", "1e30"], ["--atol", "1e-3", "--rtol", "0.5"]):
+        flipped = run_ckpt("diff", a, b, *tolerance, "--json")
+        assert flipped.exit_code == 1, flipped.stdout
+        assert flipped.json["result"]["differences"][0]["outside_tolerance"] == 1
+    close = run_ckpt("diff", a, c, "--atol", "0.1", "--json")
+    assert close.exit_code == 1, close.stdout
+    entry = close.json["result"]["differences"][0]
+    assert entry["differing"] == 2 and entry["outside_tolerance"] == 1
+    assert entry["max_abs"] == 0.5, entry
+    assert run_ckpt("diff", a, c, "--atol", "1").exit_code == 0
+
+
 def test_non_tensor_entries_are_compared_by_value_across_formats(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -388,6 +410,26 @@ def test_ignore_dtype_without_a_tolerance_says_no_tolerance(tmp_path: Path) -> N
         "IDENTICAL: 1 entries equal, 1 with a dtype change (ignored)"
     )
     assert "tolerance" not in result.stdout
+
+
+def test_a_lossless_dtype_change_says_the_values_are_equal(tmp_path: Path) -> None:
+    """A bf16 model against its float32 upcast, without tolerances: the verdict was only
+    "DIFFERENT: 1 of 1 entries differ", though every value is equal and --ignore-dtype
+    turns it into exit 0; with --atol the same verdict named --ignore-dtype."""
+    weights = torch.randn(8, 8).to(torch.bfloat16)
+    save_file({"w": weights}, tmp_path / "bf16.safetensors")
+    save_file({"w": weights.float()}, tmp_path / "fp32.safetensors")
+    a, b = tmp_path / "bf16.safetensors", tmp_path / "fp32.safetensors"
+    result = run_ckpt("diff", a, b)
+    assert result.exit_code == 1
+    assert result.stdout.splitlines()[0] == (
+        "DIFFERENT: 1 of 1 entries changed dtype (values equal; --ignore-dtype accepts that)"
+    )
+    assert run_ckpt("diff", a, b, "--ignore-dtype").exit_code == 0
+    changed = weights.float()
+    changed[0, 0] += 1
+    save_file({"w": changed}, b)
+    assert run_ckpt("diff", a, b).stdout.startswith("DIFFERENT: 1 of 1 entries differ")
 
 
 @pytest.mark.parametrize("weights_first", [True, False])

@@ -594,6 +594,36 @@ def test_files_repair_rebuilt_are_not_reported_as_changed_since_protect(tmp_path
     assert [p["code"] for p in plain.json["result"]["problems"]] == ["parity_stale"]
 
 
+def test_repair_clears_the_stale_warning_of_a_file_only_touched_since_protect(
+    tmp_path: Path,
+) -> None:
+    """A shard copied without its time (or touched) after `protect`: `verify` warns
+    `parity_stale` and names `ckpt repair`, which said "intact, nothing to repair" and left
+    it so, and `verify` warned again, for ever. `repair` now dates the intact file as when
+    protected (a dry run says it would), and its bytes are unchanged."""
+    model = tmp_path / "model"
+    state = _safetensors_model(model)
+    assert run_ckpt("protect", model).exit_code == 0
+    before = _digests(model)
+    shard = sorted(model.glob("*.safetensors"))[1]
+    protected_at = shard.stat().st_mtime_ns
+    time.sleep(0.05)
+    os.utime(shard)  # touched, not changed
+    stale = run_ckpt("verify", model, "--json").json["result"]["problems"]
+    assert [p["code"] for p in stale] == ["parity_stale"] and "ckpt repair" in str(stale[0])
+    planned = run_ckpt("repair", model, "--dry-run", "--json")
+    assert planned.exit_code == 0 and planned.json["result"]["redated"] == [str(shard)]
+    assert shard.stat().st_mtime_ns > protected_at
+    repaired = run_ckpt("repair", model, "--json")
+    assert repaired.exit_code == 0 and repaired.json["result"]["redated"] == [str(shard)]
+    assert shard.stat().st_mtime_ns == protected_at
+    result = run_ckpt("verify", model, "--json")
+    assert result.exit_code == 0 and result.json["result"]["problems"] == [], result.stdout
+    assert _digests(model) == before
+    _assert_same(_read_safetensors(model), state)
+    assert "nothing to repair" in run_ckpt("repair", model).stdout
+
+
 def test_protected_trainer_checkpoint_stays_resumable_and_latest(tmp_path: Path) -> None:
     from .run_fixtures import trainer_checkpoint
 

@@ -12,7 +12,7 @@ def render_repair(report: RepairReport) -> None:
     """The verdict, then each damaged file and what happened to it."""
     if not report.damaged:
         checked = f"({human_bytes(report.hashed_bytes)} checked)"
-        if not report.rewritten:
+        if not (report.rewritten or report.redated):
             stdout.print(
                 f"{escape(report.location)}: [bold green]intact[/] {checked}, nothing to repair",
                 soft_wrap=True,
@@ -43,7 +43,16 @@ def render_repair(report: RepairReport) -> None:
 
 
 def _print_rewritten(report: RepairReport) -> None:
-    """A file written again rather than rebuilt: the unreadable checksum manifest."""
+    """A file written again rather than rebuilt (the unreadable checksum manifest), and the
+    intact files dated as when protected."""
+    dated = "would be redated" if report.dry_run else "redated"
+    for path in report.redated:
+        stdout.print(
+            f"  [green]{dated}[/] {escape(path)}: intact, but dated after `ckpt protect`; "
+            "dated as when protected, so `verify` no longer calls it stale",
+            highlight=False,
+            soft_wrap=True,
+        )
     done = "would be written again" if report.dry_run else "written again"
     for path in report.rewritten:
         stdout.print(

@@ -162,6 +162,11 @@ def tensor_stats(
         if mixed:
             # an integer against an integral float past 2^53: differing, by one at least
             diff = torch.where(neq & (diff == 0) & ~both_nan, torch.ones_like(diff), diff)
+        # equal values differ by nothing, whatever `inf - inf` (NaN) makes of them
+        diff = torch.where(neq, diff, torch.zeros_like(diff))
+        # an infinity against any other value, or a NaN against a number, is no rounding
+        # error: outside every tolerance (`rtol * inf` is NaN or inf, a bound it would pass)
+        unbounded = neq & ~both_nan & ~(va.isfinite() & vb.isfinite())
         scale = vb.abs().to(torch.float64)
         rel = torch.where(
             diff == 0, torch.zeros_like(diff), diff / torch.where(scale == 0, 0.0, scale)
@@ -171,7 +176,7 @@ def tensor_stats(
         max_rel = max(max_rel, float(rel.max()))
         if outside is not None:
             bound = (atol or 0.0) + (rtol or 0.0) * scale
-            outside += int(((diff > bound) & neq).sum())
+            outside += int((((diff > bound) | unbounded) & neq).sum())
     return differing, outside, max_abs, max_rel
 
 

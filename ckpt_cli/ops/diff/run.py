@@ -1068,11 +1068,19 @@ def _verdict(r: DiffReport) -> str:
         if written_once:
             how += f", {written_once} of them tied names one side stores once (aliases)"
         return f"IDENTICAL: {r.compared} entries {how}"
-    dtype_only = [d for d in r.differences if d.status == "dtype" and d.outside_tolerance == 0]
+    # a dtype change whose values are within tolerance, or equal when none is given (a
+    # lossless cast: bfloat16 to float32), is the one difference --ignore-dtype forgives
+    dtype_only = [
+        d
+        for d in r.differences
+        if d.status == "dtype"
+        and (d.outside_tolerance == 0 or (d.outside_tolerance is None and d.differing == 0))
+    ]
     if dtype_only and len(dtype_only) == len(r.differences) and not (r.only_a or r.only_b):
+        values = "equal" if r.atol is None and r.rtol is None else "within tolerance"
         return (
             f"DIFFERENT: {len(dtype_only)} of {r.compared} entries changed dtype "
-            "(values within tolerance; --ignore-dtype accepts that)"
+            f"(values {values}; --ignore-dtype accepts that)"
         )
     parts = []
     if r.differences:

@@ -191,6 +191,10 @@ class RepairReport(Record):
             checksum manifest beside the protected files (`ckpt-manifest.json`, which the
             parity does not cover) when it was no longer readable, written from the parity's
             sha256 of each file once every file was found intact.
+        redated: intact files dated after `protect` (every block as recorded: touched or
+            copied without their times, not changed) whose time was set back to when
+            `protect` found them (would be, in a dry run), so `verify` no longer calls them
+            stale (`parity_stale`), a warning `repair` could otherwise never clear.
         hashed_bytes: bytes read and checked.
         warnings: what to know about the repair: a damaged file modified after `protect` is
             restored to its content as of `protect` (a deliberate edit would be undone), or
@@ -204,6 +208,7 @@ class RepairReport(Record):
     rebuilt: list[str] = Field(default_factory=list)
     unrecoverable: list[str] = Field(default_factory=list)
     rewritten: list[str] = Field(default_factory=list)
+    redated: list[str] = Field(default_factory=list)
     hashed_bytes: int = 0
     warnings: list[str] = Field(default_factory=list)
 

@@ -122,6 +122,7 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
     if not report.damaged:
         report.warnings = misrecorded
         if not misrecorded:
+            _redate_intact(target, m, report)
             _mend_checksum_manifest(target, m, report)
         return report
     newer = set(newer_than_parity(target, m))
@@ -166,8 +167,46 @@ def _repair(src: str, request: RepairRequest, progress: Progress) -> RepairRepor
             _publish_repaired(target, staged)
     report.rebuilt = [d.path for d in report.damaged]
     if not misrecorded:
+        _redate_intact(target, m, report)
         _mend_checksum_manifest(target, m, report)
     return report
+
+
+def _protected_stamp(recorded: ProtectedFile, protected_ns: int) -> int:
+    """The time a file holding the bytes `protect` recorded is dated: as `protect` found it,
+    no later than the parity manifest (so `verify` does not take it for a change since)."""
+    written = recorded.mtime_ns
+    return protected_ns if written is None else min(written, protected_ns)
+
+
+def _redate_intact(target: ParityTarget, m: ParityManifest, report: RepairReport) -> None:
+    """Date the local files the scan found intact, block by block, but newer than the parity
+    (touched, or copied without their times) as when `protect` found them: `verify` warns of
+    each (`parity_stale`) and names `ckpt repair`, which found nothing to rebuild, so the
+    warning would stay. Into `report.redated`; a dry run only lists them."""
+    storage = target.storage
+    manifest = storage.local_path(target.manifest_rel)
+    if manifest is None:
+        return
+    try:
+        protected_ns = manifest.stat().st_mtime_ns
+    except OSError:
+        return
+    damaged = {d.path for d in report.damaged}
+    for f in m.files:
+        path = storage.local_path(f.path)
+        if path is None or storage.describe(f.path) in damaged:
+            continue
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISREG(info.st_mode) or info.st_mtime_ns <= protected_ns:
+            continue
+        if not report.dry_run:
+            stamp = _protected_stamp(f, protected_ns)
+            os.utime(path, ns=(info.st_atime_ns, stamp))
+        report.redated.append(storage.describe(f.path))
 
 
 def _mend_checksum_manifest(target: ParityTarget, m: ParityManifest, report: RepairReport) -> None:
@@ -459,8 +498,7 @@ def _publish_repaired(target: ParityTarget, staged: list[tuple[str, Path, Protec
             # (`parity_stale`), which its advice (`ckpt repair`) could never clear; and as
             # the file was dated when protected, where the manifest says, so the save keeps
             # its save time (an old save is no new one to `latest` and `prune`)
-            written = recorded.mtime_ns
-            stamp = protected_ns if written is None else min(written, protected_ns)
+            stamp = _protected_stamp(recorded, protected_ns)
             os.utime(path, ns=(stamp, stamp))
         # a damaged file may be a link or read-only: the name is replaced, never written
         # through (a rename locally; an upload and one server-side copy in an object store)
