@@ -1209,6 +1209,7 @@ def _zero2_save(run: Path, dp_world_size: int) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_zero_save_recording_a_trillion_ranks_is_refused_not_listed(tmp_path: Path) -> None:
     # dp_world_size names every rank whose partition must be there: a 2 KB model-states file
     # recording 10**12 made verify (and latest, prune) list 10**12 file names
@@ -1232,6 +1233,7 @@ def test_a_zero_save_recording_a_trillion_ranks_is_refused_not_listed(tmp_path: 
         ("scheduler.bin", "scheduler_1048576.bin"),  # one check per lower index: quadratic
     ],
 )
+@pytest.mark.slow
 def test_a_file_numbered_past_any_run_is_refused_not_counted_up_to(
     tmp_path: Path, original: str, numbered: str
 ) -> None:

@@ -188,6 +188,7 @@ def test_a_manifest_claiming_a_lost_8_gib_file_is_checked_a_chunk_at_a_time(
 @pytest.mark.parametrize(
     "command", [["verify", "--checksums"], ["repair", "--dry-run"], ["repair"]]
 )
+@pytest.mark.slow
 def test_a_manifest_nested_past_pythons_limit_is_exit_4_naming_it(
     tmp_path: Path, command: list[str]
 ) -> None:

@@ -1079,6 +1079,7 @@ def test_remote_retention_also_keeps_the_users_folders_uploaded_from_the_run_fol
         assert torch.equal(load(body)["w"], torch.ones(2))
 
 
+@pytest.mark.slow
 def test_a_fresh_node_pulls_the_newest_checkpointer_save_not_another_folder_of_the_bucket(
     tmp_path: Path, s3_server: S3Server
 ) -> None:
@@ -2756,6 +2757,7 @@ def test_a_damaged_newest_local_save_is_pulled_whole_from_the_bucket_not_passed_
     assert verdict.exit_code == 0, verdict.stdout + verdict.stderr
 
 
+@pytest.mark.slow
 def test_when_every_local_save_fails_its_check_an_older_save_in_the_bucket_is_loaded(
     tmp_path: Path, s3_server: S3Server
 ) -> None:

@@ -218,6 +218,7 @@ def test_download_dry_run_says_an_existing_dest_would_be_refused(
 # -- every usage error says the fix -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_usage_error_in_the_code_names_its_fix() -> None:
     """Many `UsageError`s said only the problem (`--world-size applies to --to dcp only`,
     `--atol must be a non-negative number`...): the envelope's `fix` was null."""
@@ -417,6 +418,7 @@ def test_the_reshard_rank_state_example_runs_as_written(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_the_completion_ckpt_install_completion_installs_offers_option_values() -> None:
     """`ckpt --help` offers `--install-completion`: typer's own completion, which asks ckpt at
     each Tab. It completed commands and option names but no value (`convert --to <Tab>`
@@ -595,6 +597,7 @@ def test_a_file_given_as_the_run_folder_is_named_as_a_file_by_every_run_command(
 
 
 @pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+@pytest.mark.slow
 def test_a_stdout_that_is_not_utf8_never_turns_a_finished_command_into_a_bug(
     tmp_path: Path, encoding: str
 ) -> None:
@@ -632,6 +635,7 @@ def test_a_stdout_that_is_not_utf8_never_turns_a_finished_command_into_a_bug(
 # -- `-` is not standard output -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dest_dash_is_refused_rather_than_made_a_folder_named_dash(tmp_path: Path) -> None:
     """`ckpt convert model.pt - --to safetensors | aws s3 cp - s3://…`: `-` reads as stdout in
     a shell, but ckpt made a folder named `-` in the working directory and printed its report

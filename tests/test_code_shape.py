@@ -12,6 +12,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from .parsed import parse
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ckpt_cli"
@@ -93,6 +95,7 @@ def test_the_scan_sees_private_imports_and_module_attributes() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_no_module_imports_another_modules_private_names() -> None:
     found = [
         use
@@ -141,6 +144,7 @@ def entry_subclass_fields() -> set[str]:
     }
 
 
+@pytest.mark.slow
 def test_what_only_some_entries_hold_is_read_through_entry_not_probed() -> None:
     # `getattr(entry, "key_path", None)` on a plain Entry goes through pydantic's __getattr__ and
     # an AttributeError each time (~10 µs; a training checkpoint's layouts asked it 5 times per
@@ -188,6 +192,7 @@ def hub_url_parsing(source: str, path: Path) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_hub_urls_are_parsed_in_one_place() -> None:
     # `uri.parse_location` / `is_hub_url` / `hub_url` / `with_hub_options` are the one parser
     found = [
@@ -369,6 +374,7 @@ def test_the_complexity_counter_counts_branch_points() -> None:
     assert complex_functions(source, PACKAGE / "x.py") == []
 
 
+@pytest.mark.slow
 def test_complex_functions_stay_within_the_budget() -> None:
     found: list[tuple[int, str]] = []
     lines = 0
@@ -508,6 +514,7 @@ def test_the_fix_scan_sees_errors_without_a_fix() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_every_ckpt_error_says_its_fix() -> None:
     """Every `raise` of a CkptError subclass (and every one a helper builds for its caller)
     passes `fix=`: what the user can do (fetch the shard again, pass --format, run `ckpt

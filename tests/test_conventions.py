@@ -210,6 +210,7 @@ def test_a_closed_pipe_exits_quietly_with_141(tmp_path: Path) -> None:
     ],
     ids=["help", "usage-error", "no-such-command", "bare"],
 )
+@pytest.mark.slow
 def test_help_and_usage_errors_into_a_closed_pipe_exit_141_too(args: list[str]) -> None:
     # `ckpt --help | true`: the reader is gone before ckpt writes
     reader, writer = os.pipe()
@@ -241,6 +242,7 @@ def test_a_help_that_stdout_refuses_is_an_io_error_not_a_crash(
 
 @pytest.mark.parametrize("json_output", [False, True], ids=["human", "json"])
 @pytest.mark.parametrize("stdout", ["full", "closed"])
+@pytest.mark.slow
 def test_a_stdout_that_refuses_the_result_is_an_io_error_not_a_crash(
     world: dict[str, Path], tmp_path: Path, stdout: str, json_output: bool
 ) -> None:
@@ -278,6 +280,7 @@ def _close_stdout() -> None:
 
 
 @pytest.mark.parametrize("stderr", ["full", "reader-gone"])
+@pytest.mark.slow
 def test_a_stderr_that_refuses_messages_never_changes_the_exit_status(
     world: dict[str, Path], tmp_path: Path, stderr: str
 ) -> None:

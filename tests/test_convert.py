@@ -419,6 +419,7 @@ def convert_args(kind: str, dest: Path) -> list[str]:
 
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.slow
 def test_every_pair_of_formats_converts_bit_exact(tmp_path: Path, source: str, target: str) -> None:
     state = mixed_state()
     src = save_with_real_writer(source, state, tmp_path)

@@ -235,6 +235,7 @@ def test_verify_judges_a_saved_builtin_as_the_readers_do(
 
 
 @pytest.mark.parametrize("serialization", SERIALIZATIONS)
+@pytest.mark.slow
 def test_dcp_in_an_object_store_reads_ranges_only(
     tmp_path: Path, s3_server: S3Server, serialization: str
 ) -> None:
@@ -515,6 +516,7 @@ def test_metadata_over_the_size_budget_is_refused_unread(tmp_path: Path) -> None
     assert "1,073,741,825 bytes, more than 1,073,741,824" in result.json["error"]["message"]
 
 
+@pytest.mark.slow
 def test_deeply_nested_planner_data_is_refused(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     dcp_save({"w": torch.ones(3)}, ckpt)

@@ -200,6 +200,7 @@ def _inputs(count: int, files: int = 3) -> Inputs:
 
 @pytest.mark.parametrize("count", [1, 2, 300, 997, 1999, 2500])
 @pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.slow
 def test_streamed_bytes_equal_the_pickled_graph(count: int, compression: str | None) -> None:
     plan, layout, results, object_file = _inputs(count)
     expected = reference_bytes(plan, layout, results, object_file, compression, None)

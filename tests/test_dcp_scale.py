@@ -163,6 +163,7 @@ def _stepwise_overreach(
     return None
 
 
+@pytest.mark.slow
 def test_memo_scan_judges_as_the_opcode_walk() -> None:
     values = [
         {"a": [1, 2, 3.5, "x" * 300, b"y" * 300, (1, 2)], "b": {1, 2}, "c": None, "d": 2**70},
@@ -202,6 +203,7 @@ def test_memo_scan_judges_as_the_opcode_walk() -> None:
     assert flagged > 100  # the corpus does reach the refusals, not only the clean ends
 
 
+@pytest.mark.slow
 def test_object_budget_admits_any_metadata_torch_writes_up_to_the_byte_budget() -> None:
     """A `.metadata` as torch pickles it, at its objects per byte, fits the object budget all
     the way to the byte budget (a 2,048-rank FSDP x TP save of a 405B model is 1.9M chunks)."""

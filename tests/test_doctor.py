@@ -446,6 +446,7 @@ def test_torch_generator_draws_are_counted_from_its_state() -> None:
     assert parse(bytes(5056)) is None and parse(b"\x00" * 16) is None
 
 
+@pytest.mark.slow
 def test_doctor_reads_tensors_without_torch(dcp_jobs: Path) -> None:
     # weights, EMA and optimizer moments from their raw bytes through numpy: a process that
     # never imports torch (its import alone is most of the memory budget)
@@ -1319,6 +1320,7 @@ def _accumulating_loop(run: Path, resume: int | None, *, fresh_optimizer: bool =
             torch.save(state, run / f"ckpt_{step}.pt")
 
 
+@pytest.mark.slow
 def test_a_loop_counting_micro_batches_is_no_inconsistent_save(tmp_path: Path) -> None:
     """A loop whose `step` counts micro-batches, its optimizer stepping once per 4 (gradient
     accumulation), as the doctor's own "another save's optimizer" check allows for: every

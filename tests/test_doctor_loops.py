@@ -158,6 +158,7 @@ def _short_window_loop(
             torch.save(state, run / f"ckpt_{step}.pt")
 
 
+@pytest.mark.slow
 def test_a_window_of_one_micro_batch_is_no_inconsistent_save(tmp_path: Path) -> None:
     """Gradient accumulation of 4 over epochs of 9 micro-batches: the optimizer steps on a
     window of one micro-batch at each epoch's end, so a save at micro-batch 24 counts 7

@@ -193,6 +193,7 @@ def _killed_force_convert(src: Path, dest: Path, kill_at: str, exchange: bool) -
     return proc.returncode
 
 
+@pytest.mark.slow
 def test_force_swaps_atomically_and_a_killed_replace_leaves_a_complete_dest(
     tmp_path: Path,
 ) -> None:
@@ -312,6 +313,7 @@ def test_force_never_replaces_a_fifo_or_device_given_as_dest(tmp_path: Path, com
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "pipe"]
 
 
+@pytest.mark.slow
 def test_a_fifo_in_a_run_folder_never_hangs(tmp_path: Path) -> None:
     run = tmp_path / "out"
     trainer_checkpoint(run / "checkpoint-100", 100)
@@ -715,6 +717,7 @@ def test_a_signal_just_as_the_staging_folder_is_made_still_removes_it(
     ("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)]
 )
 @pytest.mark.parametrize("command", ["convert", "reshard"])
+@pytest.mark.slow
 def test_a_signal_mid_write_cleans_up_and_exits_with_its_code(
     tmp_path: Path, signum: int, code: int, command: str
 ) -> None:
@@ -1529,6 +1532,7 @@ def _signalled_at(at: str, signum: int, *args: str | os.PathLike[str]) -> CkptRe
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 @pytest.mark.parametrize("command", ["convert", "reshard"])
+@pytest.mark.slow
 def test_a_signal_right_after_dest_is_published_says_dest_is_complete(
     tmp_path: Path, signum: int, code: int, command: str
 ) -> None:

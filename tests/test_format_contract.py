@@ -166,6 +166,7 @@ def test_the_format_knowledge_scan_tells_formats_from_layout_names() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_format_knowledge_lives_in_formats_only() -> None:
     found = []
     for path in sorted((REPO / "ckpt_cli").rglob("*.py")):

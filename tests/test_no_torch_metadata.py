@@ -116,6 +116,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("kind", ["safetensors", "sharded", "dcp", "dcp-training", "gguf"])
 @pytest.mark.parametrize("command", ["inspect", "verify"])
+@pytest.mark.slow
 def test_metadata_commands_never_import_torch(
     sources: dict[str, Path], kind: str, command: str
 ) -> None:

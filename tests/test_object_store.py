@@ -144,6 +144,7 @@ def test_verify_checksums_streams_remote_files(
     assert "checksum_mismatch" in codes
 
 
+@pytest.mark.slow
 def test_write_manifest_never_replaces_a_shard_or_another_object_in_the_store(
     sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -420,6 +421,7 @@ def test_hub_to_s3_convert_and_diff(hub: TestHub, s3_server: S3Server, tmp_path:
 
 
 @pytest.mark.parametrize("mode", ["shards", "tensors"])
+@pytest.mark.slow
 def test_download_from_the_hub_into_s3(
     hub: TestHub, s3_server: S3Server, tmp_path: Path, mode: str
 ) -> None:
@@ -577,6 +579,7 @@ def _interrupted_convert(s3_server: S3Server, held: Callable[[S3Request], bool])
     return stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_the_upload_removes_everything(
     sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server
 ) -> None:
@@ -591,6 +594,7 @@ def test_ctrl_c_during_the_upload_removes_everything(
     assert list_keys(s3_server.endpoint, "ckpts", "int/") == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_output_is_being_published_removes_what_was_published(
     sharded_on_s3: dict[str, torch.Tensor], s3_server: S3Server
 ) -> None:
@@ -605,6 +609,7 @@ def test_ctrl_c_while_the_output_is_being_published_removes_what_was_published(
     assert list_keys(s3_server.endpoint, "ckpts", "int/") == []
 
 
+@pytest.mark.slow
 def test_a_signal_while_an_upload_worker_starts_still_waits_for_its_upload(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -798,6 +803,7 @@ def test_a_lease_is_dead_once_its_process_is_gone_here_or_its_renewal_too_old() 
 
 
 @pytest.mark.parametrize("part", [1, 2])
+@pytest.mark.slow
 def test_a_refused_part_aborts_its_multipart_upload(
     s3_server: S3Server, tmp_path: Path, part: int
 ) -> None:

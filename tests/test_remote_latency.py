@@ -66,6 +66,7 @@ def _same_as_local(remote: dict[str, Any], local: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("process", [False, True], ids=["in-process", "process"])
 @pytest.mark.parametrize("command", ["inspect", "verify"])
+@pytest.mark.slow
 def test_hub_reads_every_header_at_once_in_one_request_each(
     hub: TestHub, tmp_path: Path, command: str, process: bool
 ) -> None:
@@ -318,6 +319,7 @@ def test_hub_without_an_index_reads_each_header_whole_in_at_most_two_requests(
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])
+@pytest.mark.slow
 def test_s3_reads_every_header_at_once_in_one_request_each(
     s3_server: S3Server, tmp_path: Path, command: str
 ) -> None:
@@ -502,6 +504,7 @@ def test_hub_config_is_asked_for_while_the_checkpoint_opens(
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])
+@pytest.mark.slow
 def test_s3_config_is_asked_for_while_the_checkpoint_opens(
     s3_server: S3Server, tmp_path: Path, command: str
 ) -> None:

@@ -147,6 +147,7 @@ def test_torchtitan_dcp_without_metadata_is_incomplete(tmp_path: Path) -> None:
     assert run_ckpt("latest", tmp_path / "dump").stdout.strip() == str(run / "step-20")
 
 
+@pytest.mark.slow
 def test_a_torchtitan_save_with_train_state_and_no_optimizer_is_incomplete(tmp_path: Path) -> None:
     """torchtitan's CheckpointManager saves the model with its optimizer, lr_scheduler,
     dataloader and train_state at every step, and `load` restores them all; only a model-only
@@ -891,6 +892,7 @@ def test_a_run_folder_given_where_a_checkpoint_is_wanted_is_named_as_one(tmp_pat
 @pytest.mark.parametrize(
     "denied", ["checkpoint-200/optimizer.pt", "checkpoint-200/trainer_state.json", "checkpoint-200"]
 )
+@pytest.mark.slow
 def test_a_save_ckpt_may_not_read_is_a_permission_error_naming_the_file_never_incomplete(
     tmp_path: Path, denied: str
 ) -> None:
@@ -926,6 +928,7 @@ def test_a_save_ckpt_may_not_read_is_a_permission_error_naming_the_file_never_in
         ({"best_metric": 10**400}, [200]),  # an int past a float's range; a list
     ],
 )
+@pytest.mark.slow
 def test_a_trainer_state_with_values_of_the_wrong_type_is_no_internal_error(
     tmp_path: Path, state: dict[str, object], step: object
 ) -> None:

@@ -54,6 +54,7 @@ def test_a_plain_run_never_loads_the_distributed_machinery(tmp_path) -> None:  #
     assert "torch" not in loaded
 
 
+@pytest.mark.slow
 def test_inspect_of_a_plain_model_imports_no_training_layout_run_scanner_or_other_command(
     tmp_path,  # type: ignore[no-untyped-def]
 ) -> None:

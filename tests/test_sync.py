@@ -1119,6 +1119,7 @@ def test_a_pull_of_a_save_that_lost_a_file_its_manifest_lists_says_what_to_do(
     assert [p.name for p in back.iterdir()] == []  # nothing published, no staging left
 
 
+@pytest.mark.slow
 def test_a_pull_replaces_an_interrupted_local_save_of_the_same_name(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -1215,6 +1216,7 @@ def test_a_pulled_run_pushed_back_sends_nothing_it_pulled(
     ]
 
 
+@pytest.mark.slow
 def test_a_pull_follows_deepspeeds_latest_file_to_the_newest_save(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -1959,6 +1961,7 @@ def test_a_store_that_checks_checksums_gets_each_files_sha256_and_refuses_a_dama
     assert checked.exit_code == 0, checked.stdout
 
 
+@pytest.mark.slow
 def test_a_damaged_body_is_caught_by_the_etag_where_the_store_checks_no_checksum(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -2477,6 +2480,7 @@ def test_the_next_sync_removes_what_a_sync_killed_at_its_end_left_at_the_root(
     assert not [k for k in keys if ".ckpt-lease-" in k], keys
 
 
+@pytest.mark.slow
 def test_a_sync_leaves_the_multipart_uploads_of_a_live_one_alone(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -2555,6 +2559,7 @@ def test_a_pull_killed_while_replacing_a_copy_is_settled_by_the_next_pull(
 
 
 @pytest.mark.parametrize("kept", ["whole", "torn"])
+@pytest.mark.slow
 def test_a_pull_cut_inside_a_file_resumes_that_file_where_it_stopped(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: str
 ) -> None:

@@ -285,6 +285,7 @@ def test_convert_from_torch_peak_memory_follows_the_largest_tensor(tmp_path: Pat
         assert not f.get_tensor("layers.19.weight").any()
 
 
+@pytest.mark.slow
 def test_a_plain_torch_save_file_is_inspected_and_converted_without_torch(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(2, 3), "step": 4, "ids": torch.arange(3)}, tmp_path / "m.pt")
     script = """

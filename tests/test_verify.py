@@ -957,6 +957,7 @@ def test_verify_modifies_no_training_or_dcp_file(tmp_path: Path) -> None:
         assert snapshot(folder) == before
 
 
+@pytest.mark.slow
 def test_structural_verify_and_checksums_do_not_import_torch(tmp_path: Path) -> None:
     import os
     import subprocess
