@@ -456,6 +456,7 @@ def test_hf_to_torchtitan_to_hf_is_bit_identical(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "llama"
 
 
+@pytest.mark.slow
 def test_diff_compares_a_torchtitan_import_with_its_hf_source_through_the_mapping(
     tmp_path: Path,
 ) -> None:

@@ -140,6 +140,7 @@ MEMO_BOMB = b"\x80\x02N" + b"r\xff\xff\xff\x0f" + b"."
 # -- the C unpickler's memo ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_memo_index_of_2_28_in_a_torch_file_is_refused_in_bounded_memory(tmp_path: Path) -> None:
     bomb = torch_zip_with_pickle(tmp_path / "memo.pt", MEMO_BOMB)
     assert bomb.stat().st_size < 2048
@@ -320,6 +321,7 @@ def _gguf_with_one_value(path: Path, value_type: int, value: bytes) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_51_byte_gguf_declaring_2_40_uint8_is_refused(tmp_path: Path) -> None:
     # an ARRAY (9) of UINT8 (0), 2^40 items
     bomb = _gguf_with_one_value(tmp_path / "a.gguf", 9, struct.pack("<IQ", 0, 1 << 40))
@@ -915,6 +917,7 @@ def test_a_gguf_of_millions_of_empty_arrays_is_refused_before_the_gguf_reader_bu
     assert_refused(ckpt_limited("verify", bad), bad, "gguf reader", exit_code=1)
 
 
+@pytest.mark.slow
 def test_a_gguf_array_of_millions_of_numbers_is_refused_before_the_gguf_reader_builds_them(
     tmp_path: Path,
 ) -> None:

@@ -116,6 +116,7 @@ def _zero_digest(block_size: int) -> str:
 
 
 @pytest.mark.parametrize("command", [["verify", "--checksums"], ["repair", "--dry-run"]])
+@pytest.mark.slow
 def test_a_manifest_with_1_gib_blocks_on_a_2_kb_checkpoint_is_refused_before_any_read(
     tmp_path: Path, command: list[str]
 ) -> None:
@@ -203,6 +204,7 @@ def test_a_manifest_nested_past_pythons_limit_is_exit_4_naming_it(
 
 
 @pytest.mark.parametrize("command", [["verify", "--checksums"], ["repair", "--dry-run"]])
+@pytest.mark.slow
 def test_a_1_gib_manifest_is_refused_before_it_is_read(tmp_path: Path, command: list[str]) -> None:
     # the manifest was read whole whatever its size: a sparse 1 GiB file (no disk) took 1 GiB
     # of memory before json said it was not JSON
@@ -220,6 +222,7 @@ def test_a_1_gib_manifest_is_refused_before_it_is_read(tmp_path: Path, command: 
 
 
 @pytest.mark.parametrize("command", [["verify", "--checksums"], ["repair", "--dry-run"]])
+@pytest.mark.slow
 def test_a_manifest_of_millions_of_empty_lists_is_refused_before_it_is_parsed(
     tmp_path: Path, command: list[str]
 ) -> None:

@@ -76,6 +76,7 @@ def test_committed_completions_are_current() -> None:
         assert committed == content, f"completions/{name} is stale: run `make completions`"
 
 
+@pytest.mark.slow
 def test_help_and_metadata_inspect_do_not_import_torch(tmp_path: Path) -> None:
     import numpy as np
     from safetensors.numpy import save_file

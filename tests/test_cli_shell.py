@@ -534,6 +534,7 @@ def test_reshard_says_a_rank_state_choice_had_nothing_to_apply_to(tmp_path: Path
 # -- names that are not UTF-8 -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_file_name_that_is_not_utf8_gives_one_envelope_naming_it_as_python_reads_it_back(
     tmp_path: Path,
 ) -> None:

@@ -270,6 +270,7 @@ def storage_type_checks(source: str, path: Path, types: set[str]) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_storage_classes_are_told_apart_only_inside_storage() -> None:
     # operations choose from what a storage declares (writable, local_root, ranged_reads,
     # destination()...), so a new storage needs no edit outside `ckpt_cli/storage/`
@@ -648,6 +649,7 @@ def test_the_upward_import_scan_sees_lazy_imports() -> None:
     )
 
 
+@pytest.mark.slow
 def test_no_layer_imports_a_layer_above_it() -> None:
     found = [
         use

@@ -117,6 +117,7 @@ def invocations(world: dict[str, Path], tmp: Path) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("colour", [{}, {"FORCE_COLOR": "1"}], ids=["plain", "FORCE_COLOR"])
+@pytest.mark.slow
 def test_piped_output_is_one_record_per_line_never_wrapped(
     world: dict[str, Path], colour: dict[str, str]
 ) -> None:

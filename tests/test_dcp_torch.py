@@ -295,6 +295,7 @@ def transforms_of(path: Path) -> set[Any]:
     return {tuple(info.transform_descriptors or ()) for info in metadata.storage_data.values()}
 
 
+@pytest.mark.slow
 def test_zstd_dcp_is_read_verified_converted_and_resharded(tmp_path: Path) -> None:
     state = zstd_save(tmp_path / "src")
     assert transforms_of(tmp_path / "src") == {("stream.zstd/1",)}

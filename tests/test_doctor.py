@@ -988,6 +988,7 @@ def _loader_loop(run: Path, key: str, restore: bool, *, pickled: bool = False) -
         ("dataloader.dp_rank_0.position", True),  # torchtitan: the rank's state pickled
     ],
 )
+@pytest.mark.slow
 def test_a_plain_loops_loader_position_is_read(tmp_path: Path, key: str, pickled: bool) -> None:
     """A plain loop keeps its loader position as `dataloader.position` (or per rank,
     `dataloader.dp_rank_0.position`, as ckpt's reshard docs show it); resumed without its
@@ -1121,6 +1122,7 @@ def test_weights_that_adam_steps_at_learning_rate_zero_are_no_mixed_save(tmp_pat
 
 @pytest.mark.parametrize("component", ["optimizer", "model"])
 @pytest.mark.parametrize(("source", "into"), [(4, 6), (2, 4)])
+@pytest.mark.slow
 def test_a_save_holding_an_earlier_saves_state_is_found(
     tmp_path: Path, component: str, source: int, into: int
 ) -> None:

@@ -71,6 +71,7 @@ def _resumed(run: Path, batch_after: int, *, record_batch: bool) -> None:
     _batch_loop(run, 8, 16, batch_after, record_batch=record_batch)
 
 
+@pytest.mark.slow
 def test_a_plain_loop_resumed_at_another_batch_size_is_found(tmp_path: Path) -> None:
     """A plain loop keeps `batch_size` (or only its `samples_seen` counter) in the dict it
     saves; resumed at batch 16 instead of 8 with the learning rate kept, the doctor said NO

@@ -331,6 +331,7 @@ def test_a_fifo_in_a_run_folder_never_hangs(tmp_path: Path) -> None:
 # -- item 11: deeply nested JSON -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_json_nested_100000_deep_exits_4_naming_the_file(tmp_path: Path) -> None:
     deep = "[" * 100_000 + "]" * 100_000
     # a safetensors header
@@ -367,6 +368,7 @@ def _billion_laughs(path: Path) -> None:
     torch.save({"model": node}, path)
 
 
+@pytest.mark.slow
 def test_a_billion_laughs_torch_file_exits_4_quickly_in_bounded_memory(tmp_path: Path) -> None:
     bomb = tmp_path / "optimizer.pt"
     _billion_laughs(bomb)
@@ -446,6 +448,7 @@ def test_a_folder_of_10000_numbered_files_is_inspected_in_bounded_time(tmp_path:
     assert len(result.json["result"]["run"]["checkpoints"]) == 10_000
 
 
+@pytest.mark.slow
 def test_a_run_of_1000_accelerate_like_folders_is_judged_in_bounded_time(tmp_path: Path) -> None:
     # unmarked layouts are judged against the other saves: once each, not N² intersections
     run = tmp_path / "folders"
@@ -499,6 +502,7 @@ def test_a_full_disk_during_a_sync_pull_exits_74_naming_the_file(
 
 
 @pytest.mark.parametrize("to", ["torch", "safetensors", "dcp"])
+@pytest.mark.slow
 def test_a_full_disk_exits_74_naming_dest_and_errno_and_removes_staging(
     tmp_path: Path, tiny_fs: Path, to: str
 ) -> None:
@@ -969,6 +973,7 @@ def _signalled_while_importing(
         "ckpt_cli.cli.render.inspect",  # its renderer, likewise
     ],
 )
+@pytest.mark.slow
 def test_sigterm_and_sighup_during_start_up_exit_143_and_129_with_a_message(
     tmp_path: Path, signum: int, code: int, module: str
 ) -> None:
@@ -1440,6 +1445,7 @@ def test_a_second_pull_of_the_same_checkpoint_at_once_never_shares_the_first_one
     ).read_bytes()
 
 
+@pytest.mark.slow
 def test_an_object_store_dest_with_a_full_local_staging_disk_names_tmpdir(
     tmp_path: Path, tiny_fs: Path, s3_server: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1794,6 +1800,7 @@ def test_a_slim_killed_midway_is_finished_by_the_next_prune(tmp_path: Path) -> N
     assert run_ckpt("verify", run / "checkpoint-100").exit_code == 0
 
 
+@pytest.mark.slow
 def test_a_signal_right_after_a_pulled_checkpoint_is_published_says_it_is_whole(
     tmp_path: Path, s3_server: object
 ) -> None:
@@ -1910,6 +1917,7 @@ def _sigkilled_force_convert(src: Path, dest: Path, kill_at: str, exchange: bool
     return proc.returncode
 
 
+@pytest.mark.slow
 def test_the_next_run_restores_a_dest_a_killed_force_replace_had_moved_aside(
     tmp_path: Path,
 ) -> None:
@@ -1939,6 +1947,7 @@ def test_the_next_run_restores_a_dest_a_killed_force_replace_had_moved_aside(
     assert not list(tmp_path.glob(".dest.ckpt-*"))
 
 
+@pytest.mark.slow
 def test_the_next_run_removes_the_spare_copy_a_killed_force_replace_left(
     tmp_path: Path,
 ) -> None:

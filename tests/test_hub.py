@@ -471,6 +471,7 @@ def test_hub_inspect_does_not_import_torch(hub: TestHub, tmp_path: Path) -> None
     assert json.loads(proc.stdout)["result"]["tensors"] == 3
 
 
+@pytest.mark.slow
 def test_refusals_to_write_the_hub_name_hf_commands_that_exist(
     hub: TestHub, tmp_path: Path
 ) -> None:

@@ -197,6 +197,7 @@ def _files(src: Path) -> set[str]:
 
 
 @pytest.mark.parametrize(("build", "to", "dest", "component"), CASES)
+@pytest.mark.slow
 def test_every_file_is_converted_carried_or_skipped_and_diff_sees_every_component(
     request: pytest.FixtureRequest,
     tmp_path: Path,

@@ -66,6 +66,7 @@ def test_unreachable_store_is_exit_5(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "latest"])
+@pytest.mark.slow
 def test_a_missing_bucket_is_exit_3_and_named(
     s3_server: S3Server, tmp_path: Path, command: str
 ) -> None:

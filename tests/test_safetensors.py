@@ -233,6 +233,7 @@ def test_symlinked_shard_pointing_outside_is_refused(tmp_path: Path) -> None:
     assert "outside the checkpoint" in result.stderr
 
 
+@pytest.mark.slow
 def test_many_shards_inspect_reads_headers_only(tmp_path: Path) -> None:
     # 200 shards x 100 tensors: every tensor's offset comes from the header alone
     for shard in range(200):

@@ -30,6 +30,7 @@ def _modules_after(*args: str) -> set[str]:
     return set(line.split()[1:])
 
 
+@pytest.mark.slow
 def test_help_loads_no_operation_no_distributed_machinery_and_no_torch() -> None:
     for args in (["--help"], ["inspect", "--help"], ["convert", "--help"]):
         loaded = _modules_after(*args)
@@ -237,6 +238,7 @@ def test_version_loads_no_command_and_says_the_version() -> None:
     assert "rich" not in seen["modules"]
 
 
+@pytest.mark.slow
 def test_json_reports_are_printed_without_rich(model: Path) -> None:
     for args in (["inspect", model, "--json"], ["verify", model, "--json"]):
         seen, stdout = _probe(*args)

@@ -222,6 +222,7 @@ def test_a_killed_upload_resumes_without_resending_finished_files(
         }
 
 
+@pytest.mark.slow
 def test_pull_latest_is_verified_and_a_damaged_remote_copy_is_refused(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -457,6 +458,7 @@ def test_a_pull_into_a_file_is_a_usage_error_and_leaves_the_file(
     assert target.read_text() == "mine\n"
 
 
+@pytest.mark.slow
 def test_a_pull_of_one_checkpoint_or_of_nothing_complete_names_what_to_do_and_writes_nothing(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -710,6 +712,7 @@ def test_a_save_rewritten_at_the_same_size_is_synced_again(
     assert s3_server.bytes_uploaded() == 0
 
 
+@pytest.mark.slow
 def test_a_remote_manifest_damaged_in_the_store_is_replaced_by_the_next_sync(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -1040,6 +1043,7 @@ def test_a_manifest_naming_paths_outside_its_checkpoint_is_refused_as_unsafe(
         assert not (tmp_path / "pulled" / "checkpoint-200").exists()
 
 
+@pytest.mark.slow
 def test_a_pull_keeps_the_manifest_its_files_were_checked_against(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
@@ -1074,6 +1078,7 @@ def test_a_pull_keeps_the_manifest_its_files_were_checked_against(
     assert checked.exit_code == 0, checked.stdout
 
 
+@pytest.mark.slow
 def test_a_pull_checks_the_sizes_its_manifest_records(s3_server: S3Server, tmp_path: Path) -> None:
     import boto3
 
@@ -1392,6 +1397,7 @@ def test_a_checkpoints_data_files_go_up_largest_first(
     assert order[-1].endswith("trainer_state.json")
 
 
+@pytest.mark.slow
 def test_files_are_read_while_the_store_answers_the_checksum_question(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1440,6 +1446,7 @@ def test_files_are_read_while_the_store_answers_the_checksum_question(
     assert checked.exit_code == 0, checked.stdout
 
 
+@pytest.mark.slow
 def test_a_body_carries_botocores_own_crc32_only_where_botocore_would_add_one(
     s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -101,6 +101,7 @@ def test_deep_and_checksums_on_good_checkpoint_modify_nothing(tmp_path: Path) ->
     assert snapshot(folder) == before
 
 
+@pytest.mark.slow
 def test_a_file_the_os_will_not_let_ckpt_hash_is_an_io_error_naming_it(tmp_path: Path) -> None:
     """`verify --write-manifest` of a model whose config.json may not be read said "cannot be
     read (permission denied)" with exit 2, a usage error; a read the OS refuses is exit 74 (an
@@ -473,6 +474,7 @@ def test_unreadable_inputs_are_3_and_4(tmp_path: Path) -> None:
     assert run_ckpt("verify", tmp_path / "notes.txt").exit_code == 4
 
 
+@pytest.mark.slow
 def test_real_process_exit_code_and_clean_stdout(tmp_path: Path) -> None:
     folder = sharded(tmp_path / "m")
     assert run_ckpt_process("verify", folder, "--write-manifest").exit_code == 0
@@ -783,6 +785,7 @@ def test_parameters_without_a_gradient_yet_are_a_warning_not_an_incomplete_optim
     assert code == 1 and "optimizer_incomplete" in [p["code"] for p in found]
 
 
+@pytest.mark.slow
 def test_hostile_component_of_a_trainer_folder_is_reported_not_run(tmp_path: Path) -> None:
     folder = trainer_checkpoint(tmp_path / "run")
     marker = tmp_path / "pwned"
