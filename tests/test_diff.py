@@ -622,3 +622,35 @@ def test_a_training_save_against_its_exported_weights_names_the_select_that_line
     # sides that share names get no such hint
     same = run_ckpt("diff", save, save, "--json").json["result"]
     assert not [w for w in same["warnings"] if "--select" in w]
+
+
+def test_a_trainer_checkpoints_training_args_are_named_as_not_compared(tmp_path: Path) -> None:
+    """A user diffs two Trainer `checkpoint-N` folders to learn what changed. Their
+    `training_args.bin` (a pickle of TrainingArguments, which ckpt never unpickles) vanished:
+    not compared and not named. It is now listed as not compared, with why, and its bytes are
+    compared, so the user knows whether the training arguments changed (no difference either
+    way: what a pickle holds is not read)."""
+    import pickle
+
+    from .run_fixtures import trainer_checkpoint
+
+    sides = []
+    for run in ("a", "b", "c"):
+        save = tmp_path / run / "checkpoint-100"
+        trainer_checkpoint(save, 100)
+        lr = 1e-3 if run != "c" else 2e-3
+        (save / "training_args.bin").write_bytes(pickle.dumps({"learning_rate": lr}))
+        sides.append(save)
+    same = run_ckpt("diff", sides[0], sides[1], "--json")
+    assert same.exit_code == 0, same.stdout
+    notes = [w for w in same.json["result"]["warnings"] if "training_args.bin" in w]
+    assert len(notes) == 1, same.json["result"]["warnings"]
+    assert "not compared" in notes[0] and "never unpickled" in notes[0]
+    assert "bytes are identical" in notes[0]
+    changed = run_ckpt("diff", sides[0], sides[2])
+    assert changed.exit_code == 0, changed.stdout
+    assert "training_args.bin" in changed.stderr and "bytes differ" in changed.stderr
+    # only one side holds it: named too
+    (sides[1] / "training_args.bin").unlink()
+    lone = run_ckpt("diff", sides[0], sides[1], "--json").json["result"]
+    assert [w for w in lone["warnings"] if "training_args.bin" in w and "only A" in w]
