@@ -654,3 +654,54 @@ def test_a_trainer_checkpoints_training_args_are_named_as_not_compared(tmp_path:
     (sides[1] / "training_args.bin").unlink()
     lone = run_ckpt("diff", sides[0], sides[1], "--json").json["result"]
     assert [w for w in lone["warnings"] if "training_args.bin" in w and "only A" in w]
+
+
+def test_differing_safetensors_metadata_is_named_but_an_equal_total_size_is_not(
+    tmp_path: Path,
+) -> None:
+    """Two safetensors checkpoints whose header `__metadata__` (`{"format": "pt"}` against
+    `{"format": "pt", "note": "x"}`) or whose index's extra metadata (`"foo": "bar"`) differ
+    were called IDENTICAL without a word. Each differing key is now a note (a warning: file
+    metadata, no tensor's value); `total_size` of two shardings of one model, the same total,
+    says nothing, and alias records (tied weights) are left to `aliases`."""
+    import json
+
+    from huggingface_hub import save_torch_state_dict
+
+    state = {"a.weight": torch.arange(64.0).reshape(8, 8), "b.weight": torch.ones(8, 8)}
+    plain, noted = tmp_path / "plain.safetensors", tmp_path / "noted.safetensors"
+    save_file(state, plain, metadata={"format": "pt"})
+    save_file(state, noted, metadata={"format": "pt", "note": "x"})
+    header = run_ckpt("diff", plain, noted, "--json")
+    assert header.exit_code == 0, header.stdout
+    notes = [w for w in header.json["result"]["warnings"] if "note" in w]
+    assert len(notes) == 1 and '"x"' in notes[0], header.json["result"]["warnings"]
+    assert not run_ckpt("diff", plain, plain, "--json").json["result"]["warnings"]
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    save_torch_state_dict(state, one, max_shard_size=300)
+    save_torch_state_dict(state, two, max_shard_size=10**6)
+    for folder in (one, two):
+        index = folder / "model.safetensors.index.json"
+        if not index.exists():  # one shard: write the index a sharded save would
+            (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+            index.write_text(
+                json.dumps(
+                    {
+                        "metadata": {"total_size": 512},
+                        "weight_map": dict.fromkeys(state, "model-00001-of-00001.safetensors"),
+                    }
+                )
+            )
+    same = run_ckpt("diff", one, two, "--json")
+    assert same.exit_code == 0, same.stdout
+    assert not [w for w in same.json["result"]["warnings"] if "metadata" in w], same.json
+    index = two / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["metadata"]["foo"] = "bar"
+    index.write_text(json.dumps(data))
+    extra = run_ckpt("diff", one, two)
+    assert extra.exit_code == 0, extra.stdout
+    assert "foo" in extra.stderr and '"bar"' in extra.stderr, extra.stderr

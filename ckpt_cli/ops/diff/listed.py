@@ -3,15 +3,26 @@ Trainer's `training_args.bin`, a pickle no input may be unpickled for), which `d
 compare by value: each is named, with why, and where both sides hold it its bytes are
 compared (size, then a streamed sha256), so a user knows whether it changed.
 
+Likewise the metadata two safetensors checkpoints keep about their files: the header's
+`__metadata__` (`{"format": "pt"}`, a writer's notes) and an index's `metadata` object
+(`total_size`, anything else its writer put there). It describes the files, holds no tensor
+value, and `convert` / `reshard` rewrite it, so a key that differs is a note, not a
+difference. Alias records (`lm_head.weight` -> `transformer.wte.weight`) are left to the
+aliases `diff` reports; `total_size` is named only when the two totals differ (two shardings
+of one model have the same), or one side has an index and the other none is no note.
+
 Memory: one block of one file at a time.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+from typing import Any
 
 from ...formats.base import Checkpoint
 from ...sources.layouts import OpenedSource
+from ..shared.transfer import metadata_aliases
 
 #: bytes read at a time while hashing a listed file
 BLOCK = 1 << 20
@@ -53,3 +64,40 @@ def _digest(checkpoint: Checkpoint, name: str) -> tuple[str, int]:
             hasher.update(block)
             size += len(block)
     return hasher.hexdigest(), size
+
+
+def file_metadata_notes(ca: Checkpoint, cb: Checkpoint) -> list[str]:
+    """One line per key of the safetensors file metadata (header `__metadata__`, index
+    `metadata`) whose value differs between two safetensors checkpoints; none when either
+    side is another format (which keeps no such metadata)."""
+    from ...formats.safetensors.format import SafetensorsCheckpoint
+
+    if not (isinstance(ca, SafetensorsCheckpoint) and isinstance(cb, SafetensorsCheckpoint)):
+        return []
+    notes = []
+    headers = [
+        {k: v for k, v in c.manifest.metadata.items() if k not in metadata_aliases(c.manifest)}
+        for c in (ca, cb)
+    ]
+    indexes = [dict(c.index_metadata) for c in (ca, cb)]
+    if ca.index is None or cb.index is None:
+        for index in indexes:
+            index.pop("total_size", None)  # a single file has none to compare
+    for what, (meta_a, meta_b) in (
+        ("__metadata__", headers),
+        ("index metadata", indexes),
+    ):
+        for key in sorted(meta_a.keys() | meta_b.keys()):
+            value_a, value_b = _shown(meta_a, key), _shown(meta_b, key)
+            if value_a != value_b:
+                notes.append(
+                    f"safetensors {what} {key}: {value_a} → {value_b} (A → B; file "
+                    "metadata, no tensor value: not a difference)"
+                )
+    return notes
+
+
+def _shown(meta: dict[str, Any], key: str) -> str:
+    if key not in meta:
+        return "(none)"
+    return json.dumps(meta[key], ensure_ascii=False, sort_keys=True)[:200]
