@@ -705,3 +705,20 @@ def test_differing_safetensors_metadata_is_named_but_an_equal_total_size_is_not(
     extra = run_ckpt("diff", one, two)
     assert extra.exit_code == 0, extra.stdout
     assert "foo" in extra.stderr and '"bar"' in extra.stderr, extra.stderr
+
+
+def test_negative_zero_differs_from_zero_in_tensors_and_in_plain_floats_alike(
+    tmp_path: Path,
+) -> None:
+    """`-0.0` against `0.0` was a difference in a tensor (bit for bit) and equal in a
+    non-tensor float (a scheduler's `last_lr`, Python's `==`): one rule now, the bits, so a
+    save whose plain float changed sign is DIFFERENT as its tensor twin is; a NaN still equals
+    the same NaN."""
+    for entry in ("tensor", "float"):
+        a, b = tmp_path / f"{entry}-a.pt", tmp_path / f"{entry}-b.pt"
+        for path, zero in ((a, 0.0), (b, -0.0)):
+            value = torch.tensor([zero]) if entry == "tensor" else zero
+            torch.save({"w": torch.ones(2), "x": value, "nan": math.nan}, path)
+        found = run_ckpt("diff", a, b, "--json")
+        assert found.exit_code == 1, (entry, found.stdout)
+        assert [d["name"] for d in found.json["result"]["differences"]] == ["x"], entry
