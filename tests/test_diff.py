@@ -622,3 +622,103 @@ def test_a_training_save_against_its_exported_weights_names_the_select_that_line
     # sides that share names get no such hint
     same = run_ckpt("diff", save, save, "--json").json["result"]
     assert not [w for w in same["warnings"] if "--select" in w]
+
+
+def test_a_trainer_checkpoints_training_args_are_named_as_not_compared(tmp_path: Path) -> None:
+    """A user diffs two Trainer `checkpoint-N` folders to learn what changed. Their
+    `training_args.bin` (a pickle of TrainingArguments, which ckpt never unpickles) vanished:
+    not compared and not named. It is now listed as not compared, with why, and its bytes are
+    compared, so the user knows whether the training arguments changed (no difference either
+    way: what a pickle holds is not read)."""
+    import pickle
+
+    from .run_fixtures import trainer_checkpoint
+
+    sides = []
+    for run in ("a", "b", "c"):
+        save = tmp_path / run / "checkpoint-100"
+        trainer_checkpoint(save, 100)
+        lr = 1e-3 if run != "c" else 2e-3
+        (save / "training_args.bin").write_bytes(pickle.dumps({"learning_rate": lr}))
+        sides.append(save)
+    same = run_ckpt("diff", sides[0], sides[1], "--json")
+    assert same.exit_code == 0, same.stdout
+    notes = [w for w in same.json["result"]["warnings"] if "training_args.bin" in w]
+    assert len(notes) == 1, same.json["result"]["warnings"]
+    assert "not compared" in notes[0] and "never unpickled" in notes[0]
+    assert "bytes are identical" in notes[0]
+    changed = run_ckpt("diff", sides[0], sides[2])
+    assert changed.exit_code == 0, changed.stdout
+    assert "training_args.bin" in changed.stderr and "bytes differ" in changed.stderr
+    # only one side holds it: named too
+    (sides[1] / "training_args.bin").unlink()
+    lone = run_ckpt("diff", sides[0], sides[1], "--json").json["result"]
+    assert [w for w in lone["warnings"] if "training_args.bin" in w and "only A" in w]
+
+
+def test_differing_safetensors_metadata_is_named_but_an_equal_total_size_is_not(
+    tmp_path: Path,
+) -> None:
+    """Two safetensors checkpoints whose header `__metadata__` (`{"format": "pt"}` against
+    `{"format": "pt", "note": "x"}`) or whose index's extra metadata (`"foo": "bar"`) differ
+    were called IDENTICAL without a word. Each differing key is now a note (a warning: file
+    metadata, no tensor's value); `total_size` of two shardings of one model, the same total,
+    says nothing, and alias records (tied weights) are left to `aliases`."""
+    import json
+
+    from huggingface_hub import save_torch_state_dict
+
+    state = {"a.weight": torch.arange(64.0).reshape(8, 8), "b.weight": torch.ones(8, 8)}
+    plain, noted = tmp_path / "plain.safetensors", tmp_path / "noted.safetensors"
+    save_file(state, plain, metadata={"format": "pt"})
+    save_file(state, noted, metadata={"format": "pt", "note": "x"})
+    header = run_ckpt("diff", plain, noted, "--json")
+    assert header.exit_code == 0, header.stdout
+    notes = [w for w in header.json["result"]["warnings"] if "note" in w]
+    assert len(notes) == 1 and '"x"' in notes[0], header.json["result"]["warnings"]
+    assert not run_ckpt("diff", plain, plain, "--json").json["result"]["warnings"]
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    save_torch_state_dict(state, one, max_shard_size=300)
+    save_torch_state_dict(state, two, max_shard_size=10**6)
+    for folder in (one, two):
+        index = folder / "model.safetensors.index.json"
+        if not index.exists():  # one shard: write the index a sharded save would
+            (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+            index.write_text(
+                json.dumps(
+                    {
+                        "metadata": {"total_size": 512},
+                        "weight_map": dict.fromkeys(state, "model-00001-of-00001.safetensors"),
+                    }
+                )
+            )
+    same = run_ckpt("diff", one, two, "--json")
+    assert same.exit_code == 0, same.stdout
+    assert not [w for w in same.json["result"]["warnings"] if "metadata" in w], same.json
+    index = two / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["metadata"]["foo"] = "bar"
+    index.write_text(json.dumps(data))
+    extra = run_ckpt("diff", one, two)
+    assert extra.exit_code == 0, extra.stdout
+    assert "foo" in extra.stderr and '"bar"' in extra.stderr, extra.stderr
+
+
+def test_negative_zero_differs_from_zero_in_tensors_and_in_plain_floats_alike(
+    tmp_path: Path,
+) -> None:
+    """`-0.0` against `0.0` was a difference in a tensor (bit for bit) and equal in a
+    non-tensor float (a scheduler's `last_lr`, Python's `==`): one rule now, the bits, so a
+    save whose plain float changed sign is DIFFERENT as its tensor twin is; a NaN still equals
+    the same NaN."""
+    for entry in ("tensor", "float"):
+        a, b = tmp_path / f"{entry}-a.pt", tmp_path / f"{entry}-b.pt"
+        for path, zero in ((a, 0.0), (b, -0.0)):
+            value = torch.tensor([zero]) if entry == "tensor" else zero
+            torch.save({"w": torch.ones(2), "x": value, "nan": math.nan}, path)
+        found = run_ckpt("diff", a, b, "--json")
+        assert found.exit_code == 1, (entry, found.stdout)
+        assert [d["name"] for d in found.json["result"]["differences"]] == ["x"], entry

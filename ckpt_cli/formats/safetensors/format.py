@@ -370,6 +370,9 @@ class SafetensorsCheckpoint(Checkpoint):
         super().__init__(source, manifest)
         self.headers = headers
         self.index = index
+        #: the index's `metadata` object (`total_size`, and whatever else its writer put
+        #: there); empty for a single file
+        self.index_metadata: dict[str, Any] = {}
         self._fds: dict[str, int] = {}
 
     @classmethod
@@ -423,7 +426,9 @@ class SafetensorsCheckpoint(Checkpoint):
             metadata=headers[0].metadata if headers else {},
             details=details.as_details(),
         )
-        return cls(source, manifest, headers, index_rel)
+        checkpoint = cls(source, manifest, headers, index_rel)
+        checkpoint.index_metadata = dict(index_meta)
+        return checkpoint
 
     def read_tensor(self, name: str) -> torch.Tensor:
         from ...tensors import read_tensor_from_fd, tensor_from_bytes

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+import struct
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -199,7 +200,8 @@ def _is_ndarray(value: Any) -> bool:
 
 
 def values_equal(x: Any, y: Any, _seen: set[tuple[int, int]] | None = None) -> bool:
-    """Deep equality for non-tensor entries (tensors bit-exact, NaN equal to NaN).
+    """Deep equality for non-tensor entries (tensors and floats bit-exact: `-0.0` is not
+    `0.0`, a NaN equals a NaN of the same bits).
 
     A pair of shared sub-objects is compared once (`_seen`): a "billion laughs" graph of
     2^40 paths costs its size, not its paths.
@@ -238,8 +240,10 @@ def values_equal(x: Any, y: Any, _seen: set[tuple[int, int]] | None = None) -> b
         return len(x) == len(y) and all(
             values_equal(p, q, _seen) for p, q in zip(x, y, strict=True)
         )
-    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
-        return True
+    if isinstance(x, float) and isinstance(y, float):
+        # bit for bit, as tensors are: `-0.0 == 0.0` in Python, yet a difference in a tensor
+        # (and to `math.copysign`, `1 / x`); a NaN equals a NaN of the same bits
+        return struct.pack("<d", x) == struct.pack("<d", y)
     try:
         return bool(x == y) and type(x) is type(y)
     except Exception:

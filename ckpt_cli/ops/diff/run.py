@@ -42,6 +42,7 @@ from ..shared.transfer import (
     unused_rename_rules,
 )
 from .compare import error_stats, short_repr, tensor_stats, values_equal, values_of
+from .listed import file_metadata_notes, listed_notes
 from .namings import AUTO, OFF, NamedSide, NamingMap, check_naming, line_up_namings, select_hint
 
 
@@ -725,6 +726,12 @@ def diff_with(
                     opened.unreadable, "compared", select, filters, excludes
                 )
             ]
+        if not (select or filters or excludes):
+            # a file a layout lists without loading (`training_args.bin`, never unpickled)
+            # vanished from the report: named, and its bytes compared
+            warnings += listed_notes((opened_a, base_a), (opened_b, base_b))
+            # the safetensors file metadata (header, index) was ignored: a differing key is named
+            warnings += file_metadata_notes(base_a, base_b)
         lined_up = [*left, *right]
         whole_left, whole_right = left, right
         left = _filtered(left, filters or [], excludes)

@@ -1,0 +1,103 @@
+"""The files a training layout lists without loading them (`OpenedSource.listed_files`: a
+Trainer's `training_args.bin`, a pickle no input may be unpickled for), which `diff` cannot
+compare by value: each is named, with why, and where both sides hold it its bytes are
+compared (size, then a streamed sha256), so a user knows whether it changed.
+
+Likewise the metadata two safetensors checkpoints keep about their files: the header's
+`__metadata__` (`{"format": "pt"}`, a writer's notes) and an index's `metadata` object
+(`total_size`, anything else its writer put there). It describes the files, holds no tensor
+value, and `convert` / `reshard` rewrite it, so a key that differs is a note, not a
+difference. Alias records (`lm_head.weight` -> `transformer.wte.weight`) are left to the
+aliases `diff` reports; `total_size` is named only when the two totals differ (two shardings
+of one model have the same), or one side has an index and the other none is no note.
+
+Memory: one block of one file at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ...formats.base import Checkpoint
+from ...sources.layouts import OpenedSource
+from ..shared.transfer import metadata_aliases
+
+#: bytes read at a time while hashing a listed file
+BLOCK = 1 << 20
+
+
+def listed_notes(
+    a: tuple[OpenedSource, Checkpoint], b: tuple[OpenedSource, Checkpoint]
+) -> list[str]:
+    """One line per file either side lists without loading: not compared, why, and whether
+    the two sides' bytes are identical (or which side alone holds it)."""
+    (opened_a, ca), (opened_b, cb) = a, b
+    listed_a, listed_b = opened_a.listed_files, opened_b.listed_files
+    notes = []
+    for name in sorted(listed_a.keys() | listed_b.keys()):
+        why = listed_a.get(name) or listed_b[name]
+        if name not in listed_b or name not in listed_a:
+            held = "A" if name in listed_a else "B"
+            notes.append(f"{name} not compared: {why}; only {held} holds it")
+            continue
+        sha_a, size_a = _digest(ca, name)
+        sha_b, size_b = _digest(cb, name)
+        if (size_a, sha_a) == (size_b, sha_b):
+            bytes_say = "its bytes are identical on both sides"
+        else:
+            bytes_say = (
+                f"its bytes differ (A {size_a} bytes, sha256:{sha_a[:16]}; "
+                f"B {size_b} bytes, sha256:{sha_b[:16]})"
+            )
+        notes.append(f"{name} not compared: {why}; {bytes_say}")
+    return notes
+
+
+def _digest(checkpoint: Checkpoint, name: str) -> tuple[str, int]:
+    """The sha256 (hex) and size of file `name` of `checkpoint`, streamed."""
+    hasher = hashlib.sha256()
+    size = 0
+    with checkpoint.storage.open(name) as fh:
+        while block := fh.read(BLOCK):
+            hasher.update(block)
+            size += len(block)
+    return hasher.hexdigest(), size
+
+
+def file_metadata_notes(ca: Checkpoint, cb: Checkpoint) -> list[str]:
+    """One line per key of the safetensors file metadata (header `__metadata__`, index
+    `metadata`) whose value differs between two safetensors checkpoints; none when either
+    side is another format (which keeps no such metadata)."""
+    from ...formats.safetensors.format import SafetensorsCheckpoint
+
+    if not (isinstance(ca, SafetensorsCheckpoint) and isinstance(cb, SafetensorsCheckpoint)):
+        return []
+    notes = []
+    headers = [
+        {k: v for k, v in c.manifest.metadata.items() if k not in metadata_aliases(c.manifest)}
+        for c in (ca, cb)
+    ]
+    indexes = [dict(c.index_metadata) for c in (ca, cb)]
+    if ca.index is None or cb.index is None:
+        for index in indexes:
+            index.pop("total_size", None)  # a single file has none to compare
+    for what, (meta_a, meta_b) in (
+        ("__metadata__", headers),
+        ("index metadata", indexes),
+    ):
+        for key in sorted(meta_a.keys() | meta_b.keys()):
+            value_a, value_b = _shown(meta_a, key), _shown(meta_b, key)
+            if value_a != value_b:
+                notes.append(
+                    f"safetensors {what} {key}: {value_a} → {value_b} (A → B; file "
+                    "metadata, no tensor value: not a difference)"
+                )
+    return notes
+
+
+def _shown(meta: dict[str, Any], key: str) -> str:
+    if key not in meta:
+        return "(none)"
+    return json.dumps(meta[key], ensure_ascii=False, sort_keys=True)[:200]
