@@ -662,8 +662,9 @@ def test_differing_safetensors_metadata_is_named_but_an_equal_total_size_is_not(
     """Two safetensors checkpoints whose header `__metadata__` (`{"format": "pt"}` against
     `{"format": "pt", "note": "x"}`) or whose index's extra metadata (`"foo": "bar"`) differ
     were called IDENTICAL without a word. Each differing key is now a note (a warning: file
-    metadata, no tensor's value); `total_size` of two shardings of one model, the same total,
-    says nothing, and alias records (tied weights) are left to `aliases`."""
+    metadata, no tensor's value); `total_size`, the tensors' bytes, says nothing (a cast
+    changes it, and the tensors say so), and alias records (tied weights) are left to
+    `aliases`."""
     import json
 
     from huggingface_hub import save_torch_state_dict

@@ -8,8 +8,8 @@ Likewise the metadata two safetensors checkpoints keep about their files: the he
 (`total_size`, anything else its writer put there). It describes the files, holds no tensor
 value, and `convert` / `reshard` rewrite it, so a key that differs is a note, not a
 difference. Alias records (`lm_head.weight` -> `transformer.wte.weight`) are left to the
-aliases `diff` reports; `total_size` is named only when the two totals differ (two shardings
-of one model have the same), or one side has an index and the other none is no note.
+aliases `diff` reports, and `total_size`, the sum of the tensors' bytes, to the tensors'
+own comparison.
 
 Memory: one block of one file at a time.
 """
@@ -79,10 +79,9 @@ def file_metadata_notes(ca: Checkpoint, cb: Checkpoint) -> list[str]:
         {k: v for k, v in c.manifest.metadata.items() if k not in metadata_aliases(c.manifest)}
         for c in (ca, cb)
     ]
-    indexes = [dict(c.index_metadata) for c in (ca, cb)]
-    if ca.index is None or cb.index is None:
-        for index in indexes:
-            index.pop("total_size", None)  # a single file has none to compare
+    # `total_size` is the sum of the tensors' bytes, which the tensors' own comparison
+    # covers: a cast or a dequantized twin differs there already, two shardings never do
+    indexes = [{k: v for k, v in c.index_metadata.items() if k != "total_size"} for c in (ca, cb)]
     for what, (meta_a, meta_b) in (
         ("__metadata__", headers),
         ("index metadata", indexes),
