@@ -1,7 +1,7 @@
 """The files a training layout lists without loading them (`OpenedSource.listed_files`: a
 Trainer's `training_args.bin`, a pickle no input may be unpickled for), which `diff` cannot
 compare by value: each is named, with why, and where both sides hold it its bytes are
-compared (size, then a streamed sha256), so a user knows whether it changed.
+compared (sizes, then, where they agree, a streamed sha256), so a user knows whether it changed.
 
 Likewise the metadata two safetensors checkpoints keep about their files: the header's
 `__metadata__` (`{"format": "pt"}`, a writer's notes) and an index's `metadata` object
@@ -42,28 +42,27 @@ def listed_notes(
             held = "A" if name in listed_a else "B"
             notes.append(f"{name} not compared: {why}; only {held} holds it")
             continue
-        sha_a, size_a = _digest(ca, name)
-        sha_b, size_b = _digest(cb, name)
-        if (size_a, sha_a) == (size_b, sha_b):
+        size_a, size_b = ca.storage.size(name), cb.storage.size(name)
+        if size_a != size_b:  # no need to read either (a listed file may be a GB partition)
+            bytes_say = f"its bytes differ (A {size_a} bytes, B {size_b} bytes)"
+        elif (sha_a := _digest(ca, name)) == (sha_b := _digest(cb, name)):
             bytes_say = "its bytes are identical on both sides"
         else:
             bytes_say = (
-                f"its bytes differ (A {size_a} bytes, sha256:{sha_a[:16]}; "
-                f"B {size_b} bytes, sha256:{sha_b[:16]})"
+                f"its bytes differ (both {size_a} bytes; A sha256:{sha_a[:16]}, "
+                f"B sha256:{sha_b[:16]})"
             )
         notes.append(f"{name} not compared: {why}; {bytes_say}")
     return notes
 
 
-def _digest(checkpoint: Checkpoint, name: str) -> tuple[str, int]:
-    """The sha256 (hex) and size of file `name` of `checkpoint`, streamed."""
+def _digest(checkpoint: Checkpoint, name: str) -> str:
+    """The sha256 (hex) of file `name` of `checkpoint`, streamed."""
     hasher = hashlib.sha256()
-    size = 0
     with checkpoint.storage.open(name) as fh:
         while block := fh.read(BLOCK):
             hasher.update(block)
-            size += len(block)
-    return hasher.hexdigest(), size
+    return hasher.hexdigest()
 
 
 def file_metadata_notes(ca: Checkpoint, cb: Checkpoint) -> list[str]:
