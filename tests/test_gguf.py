@@ -2267,3 +2267,39 @@ def test_diff_of_a_quantized_gguf_and_its_export_points_to_dequantize(tmp_path: 
     same = run_ckpt("diff", src, out, "--dequantize")
     assert same.exit_code == 0, same.stdout + same.stderr
     assert "IDENTICAL" in same.stdout and "--dequantize" not in same.stderr
+
+
+def test_diff_dequantize_of_a_gguf_and_its_original_model_reports_the_quantization_error(
+    tmp_path: Path,
+) -> None:
+    """`diff model.gguf original/ --dequantize` of a Q8_0 Llama GGUF and the model it was
+    written from (transformers' names) listed the differences but not the per-weight
+    quantization error (`quant_errors` empty, no "dequantized weights" table): the schemes
+    were looked up by the names the mapping gave (`model.layers.0...`), not the GGUF's own
+    (`blk.0...`). Each dequantized weight now has its error, as gguf decodes it."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+
+    src = tmp_path / "model.gguf"
+    original = _llama_gguf(src, "Q8_0")
+    save_file(original, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    result = run_ckpt("diff", src, tmp_path / "model.safetensors", "--dequantize", "--json")
+    assert result.exit_code == 1, result.stdout + result.stderr
+    report = result.json["result"]
+    assert report["naming"]["compared_in"] == "hf"
+    errors = {e["name"]: e for e in report["quant_errors"]}
+    assert len(errors) == report["dequantized"]["a"] == 16
+    assert {e["scheme"] for e in errors.values()} == {"gguf-Q8_0"}
+    assert "model.layers.0.self_attn.q_proj.weight" in errors and "lm_head.weight" in errors
+    # an unpermuted weight's error, from gguf's own decoding
+    tensor = next(t for t in _reader(src).tensors if t.name == "blk.1.ffn_down.weight")
+    assert tensor.tensor_type == GGMLQuantizationType.Q8_0
+    decoded = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).double()
+    full = original["model.layers.1.mlp.down_proj.weight"].double()
+    got = errors["model.layers.1.mlp.down_proj.weight"]
+    assert got["max_abs"] == float((decoded - full).abs().max())
+    expected = float(((decoded - full).square().sum() / full.square().sum()).sqrt())
+    assert abs(got["rel_rms"] - expected) <= 1e-6 * expected
+    shown = run_ckpt("diff", src, tmp_path / "model.safetensors", "--dequantize")
+    assert "gguf-Q8_0  rel RMS" in shown.stdout

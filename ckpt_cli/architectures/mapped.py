@@ -127,6 +127,12 @@ class MappedCheckpoint(Checkpoint):
         tensor = self.mapped.get(name)  # None for the naming's own objects
         return tensor.pieces[0].source if tensor is not None and tensor.verbatim else None
 
+    def built_from(self, name: str) -> list[str]:
+        tensor = self.mapped.get(name)
+        if tensor is None:
+            return []  # the naming's own objects are read from no entry
+        return [found for source in tensor.sources for found in self.base.built_from(source)]
+
     def files_of(self, name: str) -> set[str]:
         tensor = self.mapped.get(name)
         if tensor is None:

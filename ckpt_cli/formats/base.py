@@ -205,6 +205,12 @@ class Checkpoint(ABC):
         none (the architecture of a safetensors model is in its `config.json`, not the file)."""
         return None
 
+    def built_from(self, name: str) -> list[str]:
+        """The entries of the checkpoint under any naming mapping that entry `name` is read
+        from (a GGUF's `blk.0.attn_q.weight` for the `model.layers.0.self_attn.q_proj.weight`
+        a mapping reads it as): `[name]` where nothing maps it."""
+        return [name]
+
     def stored_as(self, name: str) -> str | None:
         """How non-tensor entry `name` is stored when ckpt does not read its value but can hand
         out its stored bytes (`iter_stored`): a GGUF quantized tensor, `Q8_0 tensor [4, 64]`.

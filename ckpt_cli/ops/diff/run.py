@@ -792,7 +792,7 @@ def diff_with(
         try:
             for name in common:
                 ea, eb = left[name], right[name]
-                scheme = schemes.get("a:" + ea.name) or schemes.get("b:" + eb.name)
+                scheme = _scheme(schemes, "a", ca, ea.name) or _scheme(schemes, "b", cb, eb.name)
                 quant = (
                     {"scheme": scheme, "errors": report.quant_errors}
                     if scheme is not None and ea.kind == eb.kind == "tensor"
@@ -1024,6 +1024,13 @@ def _dequantize_hint(sides: tuple[tuple[Checkpoint, str], ...]) -> str | None:
         "under their own names; --dequantize reads them as tensors and compares them with "
         "the other side through the naming mapping"
     )
+
+
+def _scheme(schemes: dict[str, str], side: str, checkpoint: Checkpoint, name: str) -> str | None:
+    """The quantization scheme of `side`'s entry `name`, dequantized (None: not dequantized),
+    looked up by the names it is read from where a naming mapping renamed it."""
+    found = (schemes.get(f"{side}:{source}") for source in checkpoint.built_from(name))
+    return next((scheme for scheme in found if scheme is not None), None)
 
 
 def _dequantized(
