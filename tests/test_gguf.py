@@ -101,8 +101,9 @@ def test_convert_writes_unquantized_tensors_and_reports_quantized(
         human = run_ckpt(
             "convert", src, tmp_path / f"{src.stem}-2.safetensors", "--to", "safetensors"
         )
-        assert "skipped 1 entry (Q8_0" in human.stderr
-        assert human.stderr.rstrip().endswith(": blk.1.attn_q.weight"), human.stderr
+        skipped = [line for line in human.stderr.splitlines() if line.startswith("skipped")]
+        assert len(skipped) == 1 and skipped[0].startswith("skipped 1 entry (Q8_0")
+        assert skipped[0].endswith(": blk.1.attn_q.weight"), human.stderr
         for name, tensor in got.items():
             raw = np.asarray(expected[name].data)
             want = torch.from_numpy(raw.copy())
@@ -2303,3 +2304,28 @@ def test_diff_dequantize_of_a_gguf_and_its_original_model_reports_the_quantizati
     assert abs(got["rel_rms"] - expected) <= 1e-6 * expected
     shown = run_ckpt("diff", src, tmp_path / "model.safetensors", "--dequantize")
     assert "gguf-Q8_0  rel RMS" in shown.stdout
+
+
+def test_convert_of_a_gguf_to_plain_weights_says_its_metadata_is_not_written(
+    tmp_path: Path,
+) -> None:
+    """`convert model.gguf out --to safetensors` (or dcp, torch) wrote the tensors and said
+    nothing of the GGUF's key-values (architecture, hyper-parameters, tokenizer), which no
+    such file keeps: `skipped` was empty and no warning named them. A warning now says they
+    are not written, how many, and that `--to hf` writes a model's config from them;
+    `--to hf`, which does, says nothing of it."""
+    src = tmp_path / "model.gguf"
+    _llama_gguf(src, "F16")
+    keys = len(_reader(src).fields) - 3  # the reader lists GGUF.version, tensor and kv counts
+    for target in ("safetensors", "dcp", "torch"):
+        result = run_ckpt("convert", src, tmp_path / target, "--to", target, "--json")
+        assert result.exit_code == 0, result.stderr
+        notes = [w for w in result.json["result"]["warnings"] if "metadata" in w]
+        assert len(notes) == 1, result.json["result"]["warnings"]
+        assert f"{keys} key-values" in notes[0] and "not written" in notes[0]
+        assert "--to hf" in notes[0] and "tokenizer" in notes[0]
+    shown = run_ckpt("convert", src, tmp_path / "shown", "--to", "safetensors")
+    assert "metadata" in shown.stderr and "not written" in shown.stderr
+    exported = run_ckpt("convert", src, tmp_path / "hf", "--to", "hf", "--json")
+    assert exported.exit_code == 0, exported.stderr
+    assert not [w for w in exported.json["result"]["warnings"] if "key-values" in w]

@@ -17,7 +17,7 @@ from ...budgets import MAX_CONFIG_BYTES
 from ...dist.command import refuse_remote_split
 from ...errors import FormatError, UsageError
 from ...formats import get_format, serializations, writable_formats
-from ...formats.base import Format, WriteOptions
+from ...formats.base import Checkpoint, Format, WriteOptions
 from ...models import FileInfo
 from ...storage.output import (
     Destination,
@@ -546,4 +546,20 @@ def missing_config_warning(
         "(AutoModel* needs it; a model class without it builds its default config, not this "
         f"model): the source ({opened.training.layout}) has none. Pass --config "
         "PATH|hf://org/model to carry the model's config.json in."
+    )
+
+
+def model_metadata_note(checkpoint: Checkpoint, target_name: str) -> str | None:
+    """That the model metadata the source keeps in its files (a GGUF's key-values: the
+    architecture, hyper-parameters, tokenizer) is not written to `target_name` files, which
+    keep none; None for a source that keeps none."""
+    metadata = checkpoint.model_metadata()
+    if not metadata:
+        return None
+    where = checkpoint.manifest.location
+    return (
+        f"{where}: its model metadata ({len(metadata)} key-values: the architecture, "
+        f"hyper-parameters and tokenizer) is not written: {target_name} files keep none. "
+        f"`ckpt inspect {where}` lists them; --to hf writes a Llama, Qwen2, Qwen3, Mixtral or "
+        "Qwen3-MoE model's config.json from them, and says how to save its tokenizer."
     )

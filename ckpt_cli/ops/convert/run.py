@@ -69,6 +69,7 @@ from .plan import (
     guard_paths,
     keep_quantized,
     missing_config_warning,
+    model_metadata_note,
     output_layout,
     output_warnings,
     planned_files,
@@ -508,6 +509,10 @@ def convert(
         if naming == HF and not any(n.startswith("tokenizer") for n in [*serving, *carried]):
             # a GGUF keeps its tokenizer in its metadata, which is no file to carry
             note = tokenizer_note(base, naming)
+            warnings += [note] if note is not None else []
+        elif naming is None:
+            # a GGUF's key-values (its tokenizer...) are no file to carry, nor tensors
+            note = model_metadata_note(base, target.name)
             warnings += [note] if note is not None else []
         # what the target naming keeps beside the tensors (Megatron's common.pt...)
         options.companions.update(naming_files)
