@@ -2329,3 +2329,25 @@ def test_convert_of_a_gguf_to_plain_weights_says_its_metadata_is_not_written(
     exported = run_ckpt("convert", src, tmp_path / "hf", "--to", "hf", "--json")
     assert exported.exit_code == 0, exported.stderr
     assert not [w for w in exported.json["result"]["warnings"] if "key-values" in w]
+
+
+def test_convert_to_hf_of_a_gguf_without_its_output_weight_is_no_tied_model(
+    tmp_path: Path,
+) -> None:
+    """`convert model.gguf out --to hf --dequantize --filter-out output.weight` of an untied
+    Llama GGUF wrote `tie_word_embeddings: true`: a model whose logits come from the
+    embedding, another model, because a GGUF without `output.weight` is a tied one and the
+    filter had left it out. The file's own tensors now decide, and the filter is refused as
+    for a Megatron save trained untied (exit 4), naming the output projection."""
+    src = tmp_path / "model.gguf"
+    _llama_gguf(src, "Q8_0")
+    out = tmp_path / "hf"
+    result = run_ckpt(
+        "convert", src, out, "--to", "hf", "--dequantize", "--filter-out", "output.weight"
+    )
+    assert result.exit_code == 4, result.stdout + result.stderr
+    assert "output.weight" in result.stderr and "Megatron" not in result.stderr
+    assert not out.exists()
+    whole = run_ckpt("convert", src, out, "--to", "hf", "--dequantize")
+    assert whole.exit_code == 0, whole.stderr
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False

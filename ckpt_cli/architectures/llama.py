@@ -240,7 +240,9 @@ class _Decoder(Architecture):
             shapes = {e.name: e.shape for e in checkpoint.manifest.entries if e.kind == "tensor"}
             found = cls.args_from_shapes(shapes, GGUF)
             gguf.refuse_misfit(checkpoint, args, found, cls.shape_conflicts(shapes, GGUF, args))
-            return args
+            # llama.cpp writes no output.weight for a tied model: the file's own tensors tell,
+            # not those a --filter-out left
+            return args.model_copy(update={"tie_embeddings": bool(found.tie_embeddings)})
         return ModelArgs()
 
     @classmethod

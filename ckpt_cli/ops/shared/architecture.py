@@ -38,6 +38,7 @@ from ...architectures.base import (
     NamingOutput,
     compile_pattern,
 )
+from ...architectures.gguf import GGUF
 from ...budgets import MAX_CONFIG_BYTES
 from ...errors import FormatError
 from ...models import Chunk, Record
@@ -178,9 +179,14 @@ def _args(
     if shaped.tie_embeddings is True and own.tie_embeddings is False:
         # the shapes say tied only because no output projection is there: the save's own
         # args know it was trained untied, so the one it lacks was left out (a filter)
+        record = (
+            "the file holds its own output.weight, which llama.cpp leaves out of a tied model"
+            if naming == GGUF
+            else "Megatron-LM's untie_embeddings_and_output_weights"
+        )
         raise FormatError(
             f"the save's own args say its output projection is trained apart from the "
-            f"embedding (Megatron-LM's untie_embeddings_and_output_weights), but the weights "
+            f"embedding ({record}), but the weights "
             f"hold no output projection (transformers' {head!r}): the output would tie it "
             "to the embedding, another model",
             path=where,
