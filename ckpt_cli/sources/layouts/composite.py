@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ...budgets import json_record_over_budget
-from ...errors import REPORT_BUG, CkptError, FormatError, NotFoundError
+from ...errors import REPORT_BUG, CkptError, FormatError, NotFoundError, UnsafeInputError
 from ...faults import no_verdict
 from ...formats import get_format
 from ...formats.base import NAMES_FIX, Checkpoint, RecordedDamage, Source
@@ -344,9 +344,23 @@ class Folder:
         regex = re.compile(pattern)
         return sorted(n for n in self.names if regex.fullmatch(n))
 
-    def add(self, comp: str, name: str, fmt: str, *, root: bool = False) -> Checkpoint | None:
+    def add(
+        self,
+        comp: str,
+        name: str,
+        fmt: str,
+        *,
+        root: bool = False,
+        unpickled_by: str | None = None,
+    ) -> Checkpoint | None:
         """Open file `name` of the folder (under `base`; at the source's top with `root`: a
-        Trainer's `rng_state_0.pth` beside DeepSpeed's `global_stepN/`) as component `comp`."""
+        Trainer's `rng_state_0.pth` beside DeepSpeed's `global_stepN/`) as component `comp`.
+
+        `unpickled_by`: the framework loader that reads the file with `weights_only=False`
+        (accelerate's `load_state` of a registered object's `custom_checkpoint_N.pkl`): a
+        pickle asking for a class weights_only refuses (a `collections.deque`) is one the
+        framework resumes from, so it is listed, never loaded (as `training_args.bin`), not
+        called unreadable."""
         rel = name if root else self.rel(name)
         self.used.add(rel)
         sub = Source(location=self.source.location, storage=self.source.storage, target=rel)
@@ -357,6 +371,13 @@ class Folder:
                 checkpoint = get_format(fmt).open(sub)
         except CkptError as error:
             no_verdict(error)  # the store or the OS refused the read: no verdict on the file
+            if unpickled_by is not None and isinstance(error, UnsafeInputError):
+                self.listed[comp] = f"{name} (not loaded)"
+                self.listed_files[rel] = (
+                    f"{error.problem}; {unpickled_by} unpickles it (weights_only=False), so "
+                    "the save resumes; ckpt never unpickles it: copy it by hand if wanted"
+                )
+                return None
             self._unreadable(rel, rel, error)
             self.unreadable_parts[comp] = (
                 error.path or self.source.storage.describe(rel),
