@@ -623,18 +623,33 @@ def trainer_progress(folder: Folder, state: TrainingState) -> None:
         state.step = step
     if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
         state.epoch = float(epoch)
-    if state.step is not None:
-        state.dataloader = {"kind": "replayed", "skips_batches": state.step * _accumulated(folder)}
+    if state.step is None:
+        return
+    args = _trainer_args(folder)
+    mid_epoch = state.epoch is not None and not state.epoch.is_integer()
+    if args.get("ignore_data_skip") is True and mid_epoch:
+        # `_init_training_state` skips no batch then: the resumed run starts the epoch over
+        state.dataloader = {
+            "kind": "not replayed",
+            "ignore_data_skip": True,
+            "reason": "training_args.bin says ignore_data_skip=True: the Trainer resumes "
+            "this mid-epoch save at the epoch's first batch, not past the batches trained on",
+        }
+        return
+    accumulated = args.get("gradient_accumulation_steps")
+    if not isinstance(accumulated, int) or isinstance(accumulated, bool) or accumulated < 1:
+        accumulated = 1
+    state.dataloader = {"kind": "replayed", "skips_batches": state.step * accumulated}
 
 
-def _accumulated(folder: Folder) -> int:
-    """Batches per optimizer step of a Trainer save (`gradient_accumulation_steps` of its
-    `training_args.bin`), 1 when that file is absent or does not say."""
+def _trainer_args(folder: Folder) -> dict[str, Any]:
+    """What a Trainer save's resume depends on in its `training_args.bin`
+    (`gradient_accumulation_steps`: batches per optimizer step; `ignore_data_skip`), read from
+    its opcodes; empty when that file is absent or does not say."""
     if not folder.has("training_args.bin"):
-        return 1
-    key = "gradient_accumulation_steps"
-    value = training_arg_values(folder.source, folder.rel("training_args.bin"), (key,)).get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
+        return {}
+    keys = ("gradient_accumulation_steps", "ignore_data_skip")
+    return training_arg_values(folder.source, folder.rel("training_args.bin"), keys)
 
 
 def component_prefixes(checkpoint: CompositeCheckpoint) -> dict[str, str]:
