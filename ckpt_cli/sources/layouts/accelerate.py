@@ -158,7 +158,7 @@ class Accelerate(Layout):
         folder.add_many("rng", rng, "torch", several=several)
         for name in folder.matching(r"custom_checkpoint_\d+\.pkl"):
             number = re.findall(r"\d+", name)[-1]
-            folder.add(f"custom_{number}", name, "torch")
+            folder.add(f"custom_{number}", name, "torch", unpickled_by="accelerate's load_state")
         folder.list_training_args()  # what scripts on accelerate often save beside it
         folder.problems.extend(self.missing(source, folder))
         folder.problems.extend(missing_rank_states(source, folder, self))

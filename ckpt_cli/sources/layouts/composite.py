@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ...budgets import json_record_over_budget
-from ...errors import REPORT_BUG, CkptError, FormatError, NotFoundError
+from ...errors import REPORT_BUG, CkptError, FormatError, NotFoundError, UnsafeInputError
 from ...faults import no_verdict
 from ...formats import get_format
 from ...formats.base import NAMES_FIX, Checkpoint, RecordedDamage, Source
@@ -344,9 +344,23 @@ class Folder:
         regex = re.compile(pattern)
         return sorted(n for n in self.names if regex.fullmatch(n))
 
-    def add(self, comp: str, name: str, fmt: str, *, root: bool = False) -> Checkpoint | None:
+    def add(
+        self,
+        comp: str,
+        name: str,
+        fmt: str,
+        *,
+        root: bool = False,
+        unpickled_by: str | None = None,
+    ) -> Checkpoint | None:
         """Open file `name` of the folder (under `base`; at the source's top with `root`: a
-        Trainer's `rng_state_0.pth` beside DeepSpeed's `global_stepN/`) as component `comp`."""
+        Trainer's `rng_state_0.pth` beside DeepSpeed's `global_stepN/`) as component `comp`.
+
+        `unpickled_by`: the framework loader that reads the file with `weights_only=False`
+        (accelerate's `load_state` of a registered object's `custom_checkpoint_N.pkl`): a
+        pickle asking for a class weights_only refuses (a `collections.deque`) is one the
+        framework resumes from, so it is listed, never loaded (as `training_args.bin`), not
+        called unreadable."""
         rel = name if root else self.rel(name)
         self.used.add(rel)
         sub = Source(location=self.source.location, storage=self.source.storage, target=rel)
@@ -357,6 +371,13 @@ class Folder:
                 checkpoint = get_format(fmt).open(sub)
         except CkptError as error:
             no_verdict(error)  # the store or the OS refused the read: no verdict on the file
+            if unpickled_by is not None and isinstance(error, UnsafeInputError):
+                self.listed[comp] = f"{name} (not loaded)"
+                self.listed_files[rel] = (
+                    f"{error.problem}; {unpickled_by} unpickles it (weights_only=False), so "
+                    "the save resumes; ckpt never unpickles it: copy it by hand if wanted"
+                )
+                return None
             self._unreadable(rel, rel, error)
             self.unreadable_parts[comp] = (
                 error.path or self.source.storage.describe(rel),
@@ -602,18 +623,33 @@ def trainer_progress(folder: Folder, state: TrainingState) -> None:
         state.step = step
     if isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
         state.epoch = float(epoch)
-    if state.step is not None:
-        state.dataloader = {"kind": "replayed", "skips_batches": state.step * _accumulated(folder)}
+    if state.step is None:
+        return
+    args = _trainer_args(folder)
+    mid_epoch = state.epoch is not None and not state.epoch.is_integer()
+    if args.get("ignore_data_skip") is True and mid_epoch:
+        # `_init_training_state` skips no batch then: the resumed run starts the epoch over
+        state.dataloader = {
+            "kind": "not replayed",
+            "ignore_data_skip": True,
+            "reason": "training_args.bin says ignore_data_skip=True: the Trainer resumes "
+            "this mid-epoch save at the epoch's first batch, not past the batches trained on",
+        }
+        return
+    accumulated = args.get("gradient_accumulation_steps")
+    if not isinstance(accumulated, int) or isinstance(accumulated, bool) or accumulated < 1:
+        accumulated = 1
+    state.dataloader = {"kind": "replayed", "skips_batches": state.step * accumulated}
 
 
-def _accumulated(folder: Folder) -> int:
-    """Batches per optimizer step of a Trainer save (`gradient_accumulation_steps` of its
-    `training_args.bin`), 1 when that file is absent or does not say."""
+def _trainer_args(folder: Folder) -> dict[str, Any]:
+    """What a Trainer save's resume depends on in its `training_args.bin`
+    (`gradient_accumulation_steps`: batches per optimizer step; `ignore_data_skip`), read from
+    its opcodes; empty when that file is absent or does not say."""
     if not folder.has("training_args.bin"):
-        return 1
-    key = "gradient_accumulation_steps"
-    value = training_arg_values(folder.source, folder.rel("training_args.bin"), (key,)).get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
+        return {}
+    keys = ("gradient_accumulation_steps", "ignore_data_skip")
+    return training_arg_values(folder.source, folder.rel("training_args.bin"), keys)
 
 
 def component_prefixes(checkpoint: CompositeCheckpoint) -> dict[str, str]:

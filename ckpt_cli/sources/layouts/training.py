@@ -506,7 +506,7 @@ def verdict(state: TrainingState) -> None:
         extra.append("step")
     if not state.rng:
         extra.append("rng")
-    if not state.dataloader:
+    if not state.dataloader or state.dataloader.get("kind") == "not replayed":
         extra.append("dataloader")
     state.missing = missing
     state.resumable = not missing
@@ -581,6 +581,15 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
         "rng": "the RNG states (torch, CUDA, numpy, random)",
         "dataloader": "the data loader's (or sampler's) state",
     }
+    fixes: dict[str, str] = {}
+    if state.dataloader and isinstance(state.dataloader.get("reason"), str):
+        # saved, but the framework will not restore it (the Trainer's ignore_data_skip)
+        labels["dataloader"] = f"the data position is not restored ({state.dataloader['reason']})"
+        fixes["dataloader"] = (
+            "For an exact resume, resume with ignore_data_skip=False (TrainingArguments' "
+            "default), so the Trainer skips the batches trained on, or resume from a save at "
+            "an epoch's end."
+        )
     said = {p.code for p in problems}
     for item in REQUIRED:
         if item in state.missing and f"missing_{item}" not in said:
@@ -601,7 +610,8 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
                     message=f"{where}: {labels[item]}; resumable, but not exactly",
                     file=where,
                     severity="error" if exact else "warning",
-                    fix=f"For an exact resume, save {saved[item]} with the checkpoint (the "
+                    fix=fixes.get(item)
+                    or f"For an exact resume, save {saved[item]} with the checkpoint (the "
                     "Trainer and accelerate's save_state do), or resume from a checkpoint of the "
                     "run that holds it.",
                 )
