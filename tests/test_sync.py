@@ -1179,7 +1179,7 @@ def test_a_url_without_a_bucket_or_a_missing_bucket_is_a_clear_error(
     # a bucket that does not exist: exit 3 and what to do, as convert and reshard say it
     missing = run_ckpt("sync", out, "s3://nobucket/run/", "--json")
     assert missing.exit_code == 3, missing.stdout
-    assert "bucket does not exist" in missing.json["error"]["message"]
+    assert "the bucket 'nobucket' does not exist" in missing.json["error"]["message"]
     assert "aws s3 mb" in missing.json["error"]["message"]
 
 
@@ -2726,3 +2726,23 @@ def test_a_sync_watch_stopped_by_sigterm_exits_143_with_its_summary(
     assert envelope["exit_code"] == 143 and envelope["error"]["code"] == "terminated"
     assert envelope["result"]["stopped"] == "interrupted"
     assert "SIGTERM" in stderr
+
+
+def test_a_missing_bucket_is_exit_3_before_there_is_anything_to_upload(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`ckpt sync out/ s3://typo/run/ --watch` started with the job, before its first save,
+    and `--dry-run` to check the command first: both said all was well (exit 0, the dry run
+    planned every upload) for a bucket that does not exist, and only the first real upload,
+    hours later, failed. The bucket is checked as every other command that writes checks it."""
+    out = trainer_run(tmp_path, steps=(100,))
+    planned = run_ckpt("sync", out, "s3://nobucket/run/", "--dry-run", "--json")
+    assert planned.exit_code == 3, planned.stdout
+    assert "bucket 'nobucket' does not exist" in planned.json["error"]["message"]
+    assert "aws s3 mb" in planned.json["error"]["fix"]
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    fresh_save(starting, 100)  # the job's first save, still being written
+    waiting = run_ckpt("sync", starting, "s3://nobucket/run/", "--json")
+    assert waiting.exit_code == 3, waiting.stdout
+    assert "bucket 'nobucket' does not exist" in waiting.json["error"]["message"]
