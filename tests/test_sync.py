@@ -1179,7 +1179,7 @@ def test_a_url_without_a_bucket_or_a_missing_bucket_is_a_clear_error(
     # a bucket that does not exist: exit 3 and what to do, as convert and reshard say it
     missing = run_ckpt("sync", out, "s3://nobucket/run/", "--json")
     assert missing.exit_code == 3, missing.stdout
-    assert "bucket does not exist" in missing.json["error"]["message"]
+    assert "the bucket 'nobucket' does not exist" in missing.json["error"]["message"]
     assert "aws s3 mb" in missing.json["error"]["message"]
 
 
@@ -2726,3 +2726,53 @@ def test_a_sync_watch_stopped_by_sigterm_exits_143_with_its_summary(
     assert envelope["exit_code"] == 143 and envelope["error"]["code"] == "terminated"
     assert envelope["result"]["stopped"] == "interrupted"
     assert "SIGTERM" in stderr
+
+
+def test_a_missing_bucket_is_exit_3_before_there_is_anything_to_upload(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`ckpt sync out/ s3://typo/run/ --watch` started with the job, before its first save,
+    and `--dry-run` to check the command first: both said all was well (exit 0, the dry run
+    planned every upload) for a bucket that does not exist, and only the first real upload,
+    hours later, failed. The bucket is checked as every other command that writes checks it."""
+    out = trainer_run(tmp_path, steps=(100,))
+    planned = run_ckpt("sync", out, "s3://nobucket/run/", "--dry-run", "--json")
+    assert planned.exit_code == 3, planned.stdout
+    assert "bucket 'nobucket' does not exist" in planned.json["error"]["message"]
+    assert "aws s3 mb" in planned.json["error"]["fix"]
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    fresh_save(starting, 100)  # the job's first save, still being written
+    waiting = run_ckpt("sync", starting, "s3://nobucket/run/", "--json")
+    assert waiting.exit_code == 3, waiting.stdout
+    assert "bucket 'nobucket' does not exist" in waiting.json["error"]["message"]
+
+
+def test_a_folder_made_in_the_console_before_the_upload_is_pulled_as_any_save(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The AWS console's "Create folder" (and s3fs `mkdir`, rclone, Cyberduck) writes a
+    zero-byte key `run/checkpoint-200/`; the save was then copied in with `aws s3 cp`.
+    `ckpt latest` called it complete, but the pull refused it as holding an unsafe key
+    'checkpoint-200/' (exit 4). A folder placeholder is no file: the save is pulled whole."""
+    import boto3
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    out = trainer_run(tmp_path, steps=(100, 200))
+    make_bucket(s3_server.endpoint, BUCKET)
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    client.put_object(Bucket=BUCKET, Key="run/", Body=b"")
+    client.put_object(Bucket=BUCKET, Key="run/checkpoint-200/", Body=b"")
+    upload_folder(s3_server.endpoint, BUCKET, "run", out)
+    latest = run_ckpt("latest", f"s3://{BUCKET}/run/", "--settle", "0")
+    assert latest.stdout.strip() == f"s3://{BUCKET}/run/checkpoint-200", latest.stdout
+    pulled = run_ckpt("sync", f"s3://{BUCKET}/run/", tmp_path / "pulled", "--latest", "--json")
+    assert pulled.exit_code == 0, pulled.stdout
+    assert pulled.json["result"]["refused_keys"] == []
+    assert local_files(tmp_path / "pulled" / "checkpoint-200") == local_files(
+        out / "checkpoint-200"
+    )
+    with safe_open(tmp_path / "pulled" / "checkpoint-200" / "model.safetensors", "pt") as got:
+        expected = load_file(out / "checkpoint-200" / "model.safetensors")
+        assert all(torch.equal(got.get_tensor(k), v) for k, v in expected.items())

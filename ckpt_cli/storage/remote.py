@@ -140,16 +140,21 @@ class FsspecStorage(Storage):
     def take_listing(self, found: Mapping[str, Any]) -> None:
         """Use `found` (what `fs.find(root, detail=True)` answered) as the root's listing."""
         prefix = f"{self.root}/" if self.root else ""
+        # a zero-byte key ending in `/` is a folder placeholder (the S3 console's "Create
+        # folder", s3fs `mkdir`, rclone), listed as a file by s3fs: no file of the checkpoint
+        found = {
+            name: info
+            for name, info in found.items()
+            if name.startswith(prefix) and not (name.endswith("/") and not info.get("size"))
+        }
         self._sizes = {
             name[len(prefix) :]: int(info.get("size") or 0)
             for name, info in sorted(found.items())
-            if info.get("type") != "directory" and name.startswith(prefix)
+            if info.get("type") != "directory"
         }
         self._mtimes = {}
         self._etags = {}
         for name, info in found.items():
-            if not name.startswith(prefix):
-                continue
             stamp = listing_time(info)
             if stamp is not None:
                 self._mtimes[name[len(prefix) :]] = stamp

@@ -20,10 +20,11 @@ from ...sources.runs import DEFAULT_SETTLE, RunCheckpoint, RunReport, run_storag
 from ...sources.runs.records import CHECKSUM_MANIFEST, SYNC_RECORD, checksum_manifest_of
 from ...storage import remote_failure
 from ...storage.base import PARITY_DIR
+from ...storage.destination import RemoteDest
 from ...storage.hashing import hasher_factory
 from ...storage.object_leases import Lease, abort_dead_uploads, is_lease, root_lease_name
 from ...storage.object_upload import ObjectUploader, multipart_etag, read_for_upload
-from ...storage.output import UPLOAD_BLOCK
+from ...storage.output import UPLOAD_BLOCK, require_bucket
 from ...storage.remote_replies import listing_time
 from ...storage.uri import parse_location
 from ..prune.retention import RETENTION_OPTIONS, PrunePolicy, PruneReport
@@ -151,6 +152,9 @@ class _Uploader:
                     self.fs.invalidate_cache(self.root)
                     found = self.fs.find(self.root, detail=True)
             except FileNotFoundError:
+                # an empty prefix, or no bucket at all: said now (exit 3), not once the
+                # first save is uploaded, nor planned as uploads by a dry run
+                require_bucket(RemoteDest(url=self.dest, fs=self.fs, path=self.root))
                 found = {}
             except Exception as exc:  # each filesystem package raises its own errors
                 raise remote_failure(exc, self.dest) from None
