@@ -64,8 +64,12 @@ typecheck: $(DEV)
 docs: $(DEV)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
+# the whole suite, one pytest-xdist worker per core as the fast loop; `--dist loadfile` keeps
+# each test module on one worker, so a module's session fixtures (a DeepSpeed run, a Trainer
+# run) are built once, not once per worker (serial, the suite took about an hour of CI's 90
+# minutes on 2 cores)
 pytest: $(FRAMEWORKS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile
 
 # the edit-test loop (under 3 minutes on 2 cores): the dev tools only, no frameworks installed,
 # the tests spread over one worker per core (pytest-xdist). PYTHONDONTWRITEBYTECODE is lifted
