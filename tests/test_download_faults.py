@@ -225,3 +225,44 @@ def test_a_wrong_range_under_verify_offers_a_fix_that_verify_can_take(
     assert fetched.exit_code == 0, fetched.stdout + fetched.stderr
     again = run_ckpt("verify", "hf://org/model", "--deep", "--json")
     assert again.exit_code == 0, again.stdout
+
+
+@pytest.mark.slow
+def test_a_shard_the_hub_answers_500_for_is_asked_as_huggingface_hub_asks_it_not_36_times(
+    hub: TestHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hub (or mirror) that answers one shard with 500: huggingface_hub asks the shard's
+    metadata again with its own back-off (5 new tries, 23 s), and ckpt asked that whole
+    again 5 more times: 42 requests and 2 min 40 s before `ckpt download` said "HTTP 500".
+    It is reported after huggingface_hub's own tries, exit 5, naming the shard, and the
+    rerun (the Hub answers again) fetches only that shard."""
+    import time
+    import types
+
+    from huggingface_hub.utils import _http
+
+    from ckpt_cli.storage import hub_repo
+
+    # no real waiting, ckpt's or huggingface_hub's: the requests are counted instead
+    monkeypatch.setattr(hub_repo, "RETRY_BASE_WAIT", 0.0)
+    clock = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if n[0] != "_"})
+    clock.sleep = lambda seconds: None
+    monkeypatch.setattr(_http, "time", clock)
+    _, shards = publish(hub, tmp_path)
+    hub.fail(f"/resolve/.*/{shards[-1]}$", 500, times=1000)
+    dest = tmp_path / "d"
+    result = run_ckpt("download", "hf://org/model", dest, "--json")
+    assert result.exit_code == 5, result.stdout
+    error = result.json["error"]
+    assert error["path"].endswith(shards[-1]) and "HTTP 500" in error["problem"], error
+    asked = [r for r in hub.log if r.path.endswith(shards[-1]) and r.status == 500]
+    assert len(asked) <= 7, len(asked)  # huggingface_hub's: one, then 1 + 5 with back-off
+    assert not dest.exists()
+
+    hub._fails.clear()
+    hub.reset_counters()
+    again = run_ckpt("download", "hf://org/model", dest, "--json")
+    assert again.exit_code == 0, again.stdout
+    assert [s for s in shards if hub.bytes_sent("org/model", s)] == [shards[-1]]
+    for path in (tmp_path / "src").iterdir():
+        assert (dest / path.name).read_bytes() == path.read_bytes(), path.name

@@ -466,7 +466,8 @@ def retrying(call: Callable[[], T], where: str) -> T:
     or its connection breaks (`broken_connection_errors`, up to `READ_RETRIES` times, as file
     reads are); the last answer is raised, a connection that kept breaking as a HubError
     naming `where`. `hf_hub_download` reports a failed metadata request as a miss of the local
-    cache caused by it: judged by that cause."""
+    cache caused by it: judged by that cause, and not asked again after an HTTP status (its
+    own back-off has asked it again already)."""
     from huggingface_hub import errors as hf
 
     broken = broken_connection_errors()
@@ -476,13 +477,18 @@ def retrying(call: Callable[[], T], where: str) -> T:
             return call()
         except Exception as exc:
             cause: BaseException | None = exc
-            if isinstance(exc, hf.LocalEntryNotFoundError):
+            # a failed metadata request of `hf_hub_download`: huggingface_hub has already
+            # asked it again with its own back-off (`http_backoff`, 5 new tries) after a rate
+            # limit or a server error; asking that whole again multiplied the tries (36
+            # requests and 2.5 minutes before a Hub answering 500 was reported)
+            backed_off = isinstance(exc, hf.LocalEntryNotFoundError)
+            if backed_off:
                 cause = exc.__cause__
             if isinstance(cause, hf.HfHubHTTPError):
                 response = cause.response
                 wait = (
                     None
-                    if response is None
+                    if response is None or backed_off
                     else retry_wait(response.status_code, response.headers, attempt)
                 )
                 if wait is None:
