@@ -85,6 +85,7 @@ def test_layout_is_recognised_without_format_and_shows_common_state(
     assert text.exit_code == 0 and "Megatron-Core torch_dist" in text.stdout
 
 
+@pytest.mark.slow
 def test_megatron_lms_lr_scheduler_in_the_common_state_is_the_scheduler(
     tmp_path: Path,
 ) -> None:
