@@ -6,6 +6,7 @@ compare). Under `torchrun` (2 ranks, gloo) the same modes save and load a tensor
 (`tp_state`): weights split across the ranks, a replicated one, and a per-rank `ShardedObject`
 (what Megatron saves its RNG state as: `BYTE_IO` write items in the save plans it keeps in
 `.metadata`) beside the common state; `load DIR OUT` writes `OUT.<rank>.pt` per rank.
+With `MEGATRON_SCHEDULER=1` a save also holds Megatron-LM's LR scheduler (`scheduler_state`).
 megatron-core calls `torch.cuda.synchronize` / `torch.cuda.current_device`
 unconditionally in its writer; on a CPU-only machine they are stubbed here, in this
 subprocess only (the "cpu" device makes its status tensors CPU tensors).
@@ -26,6 +27,30 @@ torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-valu
 
 #: the common state every rank shares (megatron writes it to common.pt, from rank 0)
 COMMON = {"iteration": 7, "checkpoint_version": 3.0, "args": {"lr": 0.1, "seed": 3}}
+
+
+def scheduler_state() -> dict[str, Any]:
+    """Megatron-LM's LR scheduler as its `save_checkpoint` keeps it in the common state
+    (`opt_param_scheduler`): megatron-core's own `OptimizerParamScheduler`, stepped by a
+    global batch of 32 samples (Megatron-LM counts `num_steps` in samples)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=0.1,
+        min_lr=0.0,
+        lr_warmup_steps=5,
+        lr_decay_steps=100,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=100,
+        wd_incr_style="constant",
+    )
+    scheduler.step(32)
+    return {"opt_param_scheduler": scheduler.state_dict()}
 
 
 def sharded_state() -> dict[str, Any]:
@@ -112,7 +137,10 @@ def main() -> None:
 
     if args[0] == "save":
         os.makedirs(args[1], exist_ok=True)
-        dist_checkpointing.save(state(), args[1])
+        saved = state()
+        if os.environ.get("MEGATRON_SCHEDULER"):
+            saved.update(scheduler_state())
+        dist_checkpointing.save(saved, args[1])
     else:
         loaded = dist_checkpointing.load(state(), args[1])
         torch.save(loaded, f"{args[2]}.{rank}.pt" if launched else args[2])

@@ -88,6 +88,18 @@ def test_zero_weights_are_rebuilt_bit_exact(zero_runs: Path, stage: int, tmp_pat
         assert model_states["module"]["0.weight"].dtype == torch.bfloat16
 
 
+def test_inspect_shows_where_deepspeeds_own_lr_scheduler_stands(zero_runs: Path) -> None:
+    """DeepSpeed's WarmupLR keeps its count as `last_batch_iteration` (not torch's
+    `last_epoch`): `inspect` showed the scheduler as `entries=1`, no count a user could check
+    against the step."""
+    run = zero_runs / "zero2"
+    saved = torch.load(run / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert saved["lr_scheduler"] == {"last_batch_iteration": 1}
+    result = run_ckpt("inspect", run, "--json")
+    assert result.json["result"]["training"]["scheduler"] == {"last_batch_iteration": 1}
+    assert "scheduler    last_batch_iteration=1" in run_ckpt("inspect", run).stdout
+
+
 def test_a_missing_rank_partition_fails_plain_verify(zero_runs: Path, tmp_path: Path) -> None:
     for stage in (2, 3):
         run = shutil.copytree(zero_runs / f"zero{stage}", tmp_path / f"zero{stage}")

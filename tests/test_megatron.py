@@ -85,6 +85,31 @@ def test_layout_is_recognised_without_format_and_shows_common_state(
     assert text.exit_code == 0 and "Megatron-Core torch_dist" in text.stdout
 
 
+@pytest.mark.slow
+def test_megatron_lms_lr_scheduler_in_the_common_state_is_the_scheduler(
+    tmp_path: Path,
+) -> None:
+    """Megatron-LM keeps its LR scheduler in `common.pt` as `opt_param_scheduler`
+    (megatron-core's `OptimizerParamScheduler`): `inspect` said `scheduler none` and
+    `verify --resumable` warned of no scheduler state."""
+    folder = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, str(WRITER), "save", str(folder), str(free_port())],
+        capture_output=True,
+        text=True,
+        env=torchrun_env({"MEGATRON_SCHEDULER": "1"}),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    common = torch.load(folder / "common.pt", weights_only=False)
+    assert common["opt_param_scheduler"]["num_steps"] == 32
+    training = run_ckpt("inspect", folder, "--json").json["result"]["training"]
+    assert training["components"]["scheduler"] == "opt_param_scheduler"
+    assert training["scheduler"] == {"num_steps": 32}
+    verdict = run_ckpt("verify", "--resumable", folder, "--json").json
+    assert "missing_scheduler" not in {p["code"] for p in verdict["result"]["problems"]}
+
+
 def test_verify_good_and_damaged_copies(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     import shutil
 

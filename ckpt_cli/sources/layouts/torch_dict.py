@@ -32,7 +32,15 @@ if TYPE_CHECKING:
 
 _MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net", "network")
 _OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "opt", "optimizer_state")
-_SCHEDULER_KEYS = ("scheduler", "lr_scheduler", "scheduler_state_dict", "sched", "lr_schedule")
+#: `opt_param_scheduler`: Megatron-LM's (megatron-core's `OptimizerParamScheduler`), in `common.pt`
+_SCHEDULER_KEYS = (
+    "scheduler",
+    "lr_scheduler",
+    "scheduler_state_dict",
+    "sched",
+    "lr_schedule",
+    "opt_param_scheduler",
+)
 _STEP_KEYS = ("step", "global_step", "iteration", "iter", "steps", "train_step")
 _RNG_KEYS = ("rng", "rng_state", "rng_states", "random_state", "random_states", "rng_state_dict")
 _LOADER_KEYS = (

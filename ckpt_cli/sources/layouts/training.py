@@ -275,7 +275,10 @@ def _scheduler(checkpoint: Checkpoint, prefix: str) -> dict[str, Any] | None:
         if key in keys:
             summary["kind"] = label
             break
-    for key in ("last_epoch", "_step_count"):
+    # DeepSpeed's own schedulers (WarmupLR, WarmupDecayLR, OneCycle...) count
+    # `last_batch_iteration` where torch's count `last_epoch`; Megatron's
+    # `OptimizerParamScheduler` counts `num_steps` (in samples)
+    for key in ("last_epoch", "_step_count", "last_batch_iteration", "num_steps"):
         value = value_of(checkpoint, f"{prefix}{key}")
         if isinstance(value, int):
             summary[key.lstrip("_")] = value
