@@ -245,7 +245,13 @@ def interruption(
             fix
             or f"{'It' if itself else done} is complete: use it as it is (`ckpt verify` checks it)."
         )
-    fix = fix or "Run the command again when ready (partial outputs are removed)."
+    # a problem that already says the partial output was removed is not told so twice
+    said = "removed" in problem
+    fix = fix or (
+        "Run the command again when ready."
+        if said
+        else "Run the command again when ready (partial outputs are removed)."
+    )
     if signum == getattr(signal, "SIGTERM", None):
         problem = problem.replace("interrupted", "terminated (SIGTERM)", 1)
         return Terminated(problem, path=path, fix=fix)
