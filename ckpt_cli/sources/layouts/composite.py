@@ -356,7 +356,7 @@ class Folder:
         """Open file `name` of the folder (under `base`; at the source's top with `root`: a
         Trainer's `rng_state_0.pth` beside DeepSpeed's `global_stepN/`) as component `comp`.
 
-        `unpickled_by`: the framework loader that reads the file with `weights_only=False`
+        `unpickled_by`: the framework loader that reads the file with torch's full unpickler
         (accelerate's `load_state` of a registered object's `custom_checkpoint_N.pkl`): a
         pickle asking for a class weights_only refuses (a `collections.deque`) is one the
         framework resumes from, so it is listed, never loaded (as `training_args.bin`), not
@@ -374,7 +374,7 @@ class Folder:
             if unpickled_by is not None and isinstance(error, UnsafeInputError):
                 self.listed[comp] = f"{name} (not loaded)"
                 self.listed_files[rel] = (
-                    f"{error.problem}; {unpickled_by} unpickles it (weights_only=False), so "
+                    f"{error.problem}; {unpickled_by} unpickles it in full, so "
                     "the save resumes; ckpt never unpickles it: copy it by hand if wanted"
                 )
                 return None
