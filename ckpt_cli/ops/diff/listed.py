@@ -16,16 +16,13 @@ Memory: one block of one file at a time.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
 from ...formats.base import Checkpoint
 from ...sources.layouts import OpenedSource
+from ...storage.hashing import StoredFile, hash_file, hasher_factory
 from ..shared.transfer import metadata_aliases
-
-#: bytes read at a time while hashing a listed file
-BLOCK = 1 << 20
 
 
 def listed_notes(
@@ -45,7 +42,7 @@ def listed_notes(
         size_a, size_b = ca.storage.size(name), cb.storage.size(name)
         if size_a != size_b:  # no need to read either (a listed file may be a GB partition)
             bytes_say = f"its bytes differ (A {size_a} bytes, B {size_b} bytes)"
-        elif (sha_a := _digest(ca, name)) == (sha_b := _digest(cb, name)):
+        elif (sha_a := _digest(ca, name, size_a)) == (sha_b := _digest(cb, name, size_b)):
             bytes_say = "its bytes are identical on both sides"
         else:
             bytes_say = (
@@ -56,13 +53,9 @@ def listed_notes(
     return notes
 
 
-def _digest(checkpoint: Checkpoint, name: str) -> str:
-    """The sha256 (hex) of file `name` of `checkpoint`, streamed."""
-    hasher = hashlib.sha256()
-    with checkpoint.storage.open(name) as fh:
-        while block := fh.read(BLOCK):
-            hasher.update(block)
-    return hasher.hexdigest()
+def _digest(checkpoint: Checkpoint, name: str, size: int) -> str:
+    """The sha256 (hex) of file `name` of `checkpoint` (`size` bytes), streamed."""
+    return hash_file(StoredFile(checkpoint.storage, name, size), hasher_factory("sha256"))
 
 
 def file_metadata_notes(ca: Checkpoint, cb: Checkpoint) -> list[str]:
