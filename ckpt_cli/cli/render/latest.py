@@ -20,6 +20,8 @@ def render_latest(report: RunReport) -> None:
         chosen = next((c for c in report.checkpoints if c.path == report.latest), None)
         if chosen is not None and chosen.reason:
             warn("latest", f"{chosen.name}: {chosen.reason}")
+        if report.tracker_problem:
+            warn("latest", report.tracker_problem)
         return
     from ...ops.latest import none_found
     from . import errors  # rich: only to say why there is none

@@ -75,6 +75,10 @@ def render_run(report: RunReport) -> None:
         )
     if report.deepspeed_latest:
         stdout.print(f"DeepSpeed latest: {report.deepspeed_latest}")
+    if report.megatron_latest:
+        stdout.print(f"Megatron latest_checkpointed_iteration.txt: {report.megatron_latest}")
+    if report.tracker_problem:
+        stdout.print(f"warning: {report.tracker_problem}", soft_wrap=True, markup=False)
     if report.root_files:
         stdout.print(
             f"also in the folder itself: {', '.join(report.root_files)} "

@@ -333,6 +333,7 @@ def _decide(
         "best": f"best {policy.keep_best} ({c.metric:g})" if c.metric is not None else "best",
         "trainer-best": "Trainer best_model_checkpoint",
         "deepspeed-latest": "named by the DeepSpeed latest file",
+        "megatron-latest": "named by latest_checkpointed_iteration.txt",
         "link-target": "a symlink in the run folder points at it",
     }
     rules = [rule for marker, rule in protections.items() if marker in c.markers]
@@ -377,7 +378,14 @@ def _decide(
 
 
 #: markers of checkpoints never slimmed: a resume point, the best, what a pointer names
-_NEVER_SLIM = ("newest", "best", "trainer-best", "deepspeed-latest", "link-target")
+_NEVER_SLIM = (
+    "newest",
+    "best",
+    "trainer-best",
+    "deepspeed-latest",
+    "megatron-latest",
+    "link-target",
+)
 
 
 def _plan_slims(run: RunReport, policy: PrunePolicy, decisions: list[PruneDecision]) -> None:

@@ -39,10 +39,13 @@ from ...storage.base import FolderView
 from ...storage.output import TMP_MARKER, staging_held
 from ...storage.uri import parse_location
 from .naming import (
+    MEGATRON,
+    MEGATRON_TRACKER,
     UNMARKED,
     deepspeed_states_in,
     deepspeed_tag,
     lightning_metrics,
+    megatron_tracker,
     save_parts,
 )
 from .records import (
@@ -74,13 +77,15 @@ def judge_found(
     expected: set[str] | None = None,
     run_files: frozenset[str] = frozenset(),
     before: tuple[str, frozenset[str]] | None = None,
+    megatron_latest: tuple[int, str] | None = None,
 ) -> RunCheckpoint:
     """Complete, incomplete, interrupted or writing (see the package docstring).
 
     `expected`: the parts every other save of the run has (`scan.expected_parts_of`);
     `run_files`: the names of the files at the top of the run's saves (`scan.top_file_names`),
     which say whether the run's saves hold their layout's `last_file`; `before`: the save just
-    older than this one and the names at its top (`scan.save_before`)."""
+    older than this one and the names at its top (`scan.save_before`); `megatron_latest`: the
+    iteration and folder a Megatron-LM run's tracker names (`read_megatron_tracker`)."""
     primary = item.rels[0]
     link = run.link(item)
     files = run.files(item)
@@ -127,6 +132,8 @@ def judge_found(
         problem = _trainer_state_problem(run.storage, primary, files)
     if problem is None and item.layout == "deepspeed" and item.is_dir:
         problem = _zero_partition_problem(run.storage, primary, files)
+    if problem is None and item.layout == MEGATRON and item.is_dir:
+        problem = _megatron_problem(primary, files)
     note = unfinished = None
     if problem is None and item.is_dir:
         lost, unfinished, note = _layout_problem(run.storage, item, files, own, run_files, before)
@@ -171,6 +178,17 @@ def judge_found(
         problem = (
             f"newer than step {ds_latest_step}, the save the `latest` file names "
             "(DeepSpeed writes it when a save has finished)"
+        )
+    if (
+        problem is None
+        and item.layout == MEGATRON
+        and megatron_latest is not None
+        and item.step is not None
+        and item.step > megatron_latest[0]
+    ):
+        problem = (
+            f"newer than {megatron_latest[1]}, the save {MEGATRON_TRACKER} names (Megatron-LM "
+            "writes it once a save has finished, and resumes from the save it names)"
         )
     if problem is None:
         entry.reason = note  # complete, but what it should hold is not known: said, not hidden
@@ -702,6 +720,36 @@ def read_deepspeed_latest(storage: Storage) -> str | None:
         no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return None
     return deepspeed_tag(text)
+
+
+def read_megatron_tracker(storage: Storage) -> int | str | None:
+    """What a Megatron-LM run folder's `latest_checkpointed_iteration.txt` says
+    (`naming.megatron_tracker`: an iteration, `release`, or None for anything else), read
+    through its storage: at most 4 KiB of a regular file. None also when there is none."""
+    try:
+        if not storage.exists(MEGATRON_TRACKER) or storage.size(MEGATRON_TRACKER) > 4096:
+            return None
+        text = storage.read_all(MEGATRON_TRACKER).decode()
+    except (OSError, UnicodeDecodeError, CkptError) as exc:
+        no_verdict(exc)  # the store or the OS refused: no verdict on the file
+        return None
+    return megatron_tracker(text)
+
+
+def _megatron_problem(folder: str, files: Mapping[str, int]) -> str | None:
+    """Why a Megatron-LM `torch_dist` save (a DCP with `common.pt`) has not finished:
+    megatron-core's `dist_checkpointing.save` writes `common.pt`, then the DCP, then
+    `metadata.json` last (its finalize step, after an async save's writes), and its `load`
+    reads `metadata.json` first. None for a legacy save (`mp_rank_*/model_optim_rng.pt`)."""
+    start = f"{folder}/"
+    top = {rel[len(start) :] for rel in files if rel.startswith(start)}
+    torch_dist = "common.pt" in top or ".metadata" in top or any(n.endswith(".distcp") for n in top)
+    if not torch_dist or "metadata.json" in top:
+        return None
+    return (
+        "no metadata.json, which megatron-core's dist_checkpointing.save writes last "
+        "(after common.pt and the DCP): the save has not finished"
+    )
 
 
 def model_states_ints(storage: Storage, rel: str, keys: frozenset[str]) -> dict[str, int]:

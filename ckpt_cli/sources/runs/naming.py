@@ -50,9 +50,42 @@ def _step_layouts() -> tuple[Layout, ...]:
     return tuple(lay for lay in (*FOLDER_LAYOUTS, *SINGLE_LAYOUTS) if lay.step_folder is not None)
 
 
+#: Megatron-LM's `save_checkpoint` folders, `iter_{iteration:07d}` (its `get_checkpoint_name`)
+MEGATRON_ITER = re.compile(r"iter_(\d{7,})")
+#: the layout token of a Megatron-LM run's saves (a `torch_dist` DCP or legacy `mp_rank_*/`)
+MEGATRON = "megatron"
+#: the file Megatron-LM rewrites once a save has finished, naming its iteration (or
+#: `release`): what its `load_checkpoint` resumes from, whatever the `iter_*` folders say
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+#: the folder a tracker reading `release` sends `load_checkpoint` to
+MEGATRON_RELEASE = "release"
+
+
+def megatron_tracker(text: str) -> int | str | None:
+    """What a Megatron-LM tracker file says, as its `read_metadata` reads it: an iteration,
+    `MEGATRON_RELEASE`, or None for anything else (Megatron-LM exits: "Invalid metadata
+    file")."""
+    value = text.strip()
+    if value == MEGATRON_RELEASE:
+        return MEGATRON_RELEASE
+    number = int_or_none(value) if value.isascii() and value.isdigit() else None
+    return number
+
+
+def megatron_folder(tracker: int | str | None) -> str | None:
+    """The folder a Megatron-LM tracker's value sends `load_checkpoint` to (`iter_0000200`,
+    `release`), None for none."""
+    if tracker is None or tracker == MEGATRON_RELEASE:
+        return tracker
+    return f"iter_{int(tracker):07d}"
+
+
 def match_name(name: str, is_dir: bool) -> tuple[str, int | None, float | None] | None:
     """(layout, step, epoch) for an entry name, or None when it is not a checkpoint name."""
     if is_dir:
+        megatron = MEGATRON_ITER.fullmatch(name)
+        if megatron is not None:
+            return MEGATRON, int(megatron.group(1)), None
         for layout in _step_layouts():
             step = layout.step_of(name)
             if step is not None:
@@ -480,7 +513,7 @@ def by_content(item: Found, files: Iterable[str]) -> Found:
 #: unmarked ones (a save cut short), and the Trainer's, whose marker (`trainer_state.json`,
 #: written last) says the save finished, not that its model or optimizer file is still there
 #: (deleted since, lost with a node)
-COMPARED = (*UNMARKED, "hf-trainer")
+COMPARED = (*UNMARKED, "hf-trainer", MEGATRON)
 
 
 #: what `part_names` calls a Trainer folder's model weights, however they are stored

@@ -95,6 +95,7 @@ class RunCheckpoint(Record):
         link_target: where the link points.
         markers: `newest` (newest complete), `trainer-best` (the Trainer's
             `best_model_checkpoint`), `deepspeed-latest` (named by the `latest` file),
+            `megatron-latest` (named by `latest_checkpointed_iteration.txt`),
             `link-target` (a symlink in the run folder points at it), `best` (best by metric),
             `weights-only` (slimmed), `protected` (a folder holding `ckpt protect`'s parity:
             incomplete, it was damaged since, never interrupted, and `prune` keeps it).
@@ -184,6 +185,11 @@ class RunReport(Record):
         trainer_best: the Trainer's `best_model_checkpoint` (as a name in the run folder).
         trainer_best_metric: the Trainer's `best_metric`.
         deepspeed_latest: the folder the DeepSpeed `latest` file names.
+        megatron_latest: the folder Megatron-LM's `latest_checkpointed_iteration.txt` names
+            (`iter_0000200`, or `release`): the save its `load_checkpoint` resumes from.
+        tracker_problem: why Megatron-LM would not resume from the save `latest` names (its
+            `latest_checkpointed_iteration.txt` missing, unreadable as an iteration, or naming
+            a save the run lacks or holds incomplete), with the fix; None when it would.
         best: best-by-metric, when a metric was asked for.
         settle: the settle window used (seconds).
         root_files: checkpoint files directly in the run folder that belong to no step
@@ -202,6 +208,8 @@ class RunReport(Record):
     trainer_best: str | None = None
     trainer_best_metric: float | None = None
     deepspeed_latest: str | None = None
+    megatron_latest: str | None = None
+    tracker_problem: str | None = None
     best: BestMetric | None = None
     settle: float = DEFAULT_SETTLE
     root_files: list[str] = Field(default_factory=list)

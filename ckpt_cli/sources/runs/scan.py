@@ -26,11 +26,15 @@ from .judge import (
     judge_found,
     newest_trainer_state,
     read_deepspeed_latest,
+    read_megatron_tracker,
     trainer_state_step,
 )
 from .listing import RunListing
 from .naming import (
     COMPARED,
+    MEGATRON,
+    MEGATRON_RELEASE,
+    MEGATRON_TRACKER,
     TRAINER_LAST_CHECKPOINT,
     by_content,
     deepspeed_step,
@@ -38,6 +42,7 @@ from .naming import (
     holds_deepspeed_states,
     holds_trainer_save,
     leave_out_strays,
+    megatron_folder,
     part_names,
     save_parts,
 )
@@ -127,6 +132,9 @@ def scan(
     ds_latest = read_deepspeed_latest(run.storage)
     items += _unnamed_step_tag(run, items, ds_latest)
     items += _trainer_last_checkpoint(run, items)
+    tracker = read_megatron_tracker(run.storage)
+    items += _megatron_release(run, items, tracker)
+    megatron_latest = _megatron_latest(tracker)
     ds_step = deepspeed_step(ds_latest)
     if ds_step is None and ds_latest:
         # a tag of the user's own (`step_500`): the step of the save it names
@@ -156,6 +164,7 @@ def scan(
                 expected.get(id(item)),
                 run_files,
                 before.get(id(item)),
+                megatron_latest,
             )
         )
         if until_latest and judged[-1].complete and not judged[-1].slim:
@@ -183,6 +192,14 @@ def scan(
             if c.layout == "deepspeed" and _base_name(c.name) == ds_latest:
                 c.markers.append("deepspeed-latest")
                 report.deepspeed_latest = c.name
+    if megatron_latest is not None:
+        for c in checkpoints:
+            if c.layout == MEGATRON and _base_name(c.name) == megatron_latest[1]:
+                c.markers.append("megatron-latest")
+                report.megatron_latest = c.name
+    if any(c.layout == MEGATRON for c in checkpoints):
+        present = run.top_entries().get(MEGATRON_TRACKER) is False
+        report.tracker_problem = _tracker_problem(present, megatron_latest, report)
     run.mark_links(checkpoints)
     state = newest_trainer_state(run.storage, checkpoints)
     trainer_doc = None
@@ -222,6 +239,63 @@ def _unnamed_step_tag(run: RunListing, items: list[Found], tag: str | None) -> l
     if not holds_deepspeed_states(tag, files):
         return []
     return [dataclasses.replace(found, step=deepspeed_states_step(run.storage, tag, files))]
+
+
+def _megatron_latest(tracker: int | str | None) -> tuple[int, str] | None:
+    """The iteration and folder name a Megatron-LM tracker names (`release` resumes at
+    iteration 0, Megatron-LM's own rule); None when there is none or it says nothing."""
+    folder = megatron_folder(tracker)
+    if folder is None:
+        return None
+    return (0 if tracker == MEGATRON_RELEASE else int(tracker or 0)), folder
+
+
+def _tracker_problem(present: bool, named: tuple[int, str] | None, report: RunReport) -> str | None:
+    """Why Megatron-LM would not resume a run's Megatron saves from the one `latest` names:
+    its `latest_checkpointed_iteration.txt` is missing, says nothing, or names a save the run
+    folder lacks or holds incomplete; None when it names the save `latest` names."""
+    fix = (
+        f"write its iteration into {MEGATRON_TRACKER} to resume from "
+        f"{report.latest.rstrip('/').rsplit('/', 1)[-1]}"
+        if report.latest is not None
+        else "save again"
+    )
+    if not present:
+        return (
+            f"no {MEGATRON_TRACKER}: Megatron-LM's load_checkpoint finds no save to resume "
+            f"from and starts training from scratch; {fix}"
+        )
+    if named is None:
+        return (
+            f"{MEGATRON_TRACKER} holds neither an iteration nor `release`: Megatron-LM's "
+            f'load_checkpoint exits ("Invalid metadata file"); {fix}'
+        )
+    chosen = next((c for c in report.checkpoints if c.name == report.megatron_latest), None)
+    if chosen is None:
+        return (
+            f"{MEGATRON_TRACKER} names {named[1]}, which this run folder does not hold: "
+            f"Megatron-LM's load_checkpoint fails; {fix}"
+        )
+    if not chosen.complete:
+        return (
+            f"{MEGATRON_TRACKER} names {named[1]}, which is {chosen.status} "
+            f"({chosen.reason}): Megatron-LM's load_checkpoint fails on it; {fix}"
+        )
+    return None
+
+
+def _megatron_release(
+    run: RunListing, items: list[Found], tracker: int | str | None
+) -> list[Found]:
+    """Megatron-LM's `release/` folder when the run's tracker names it (a converted
+    checkpoint a run starts from: `load_checkpoint` resumes from it at iteration 0), as a
+    Megatron save: no naming rule finds a folder with no number, so `latest` named an older
+    `iter_*` save or none at all."""
+    if tracker != MEGATRON_RELEASE or run.top_entries().get(MEGATRON_RELEASE) is not True:
+        return []
+    if any(i.rels[0] == MEGATRON_RELEASE for i in items):
+        return []
+    return [Found(MEGATRON, 0, None, [MEGATRON_RELEASE], True)]
 
 
 def _trainer_last_checkpoint(run: RunListing, items: list[Found]) -> list[Found]:
