@@ -18,6 +18,7 @@ import pytest
 
 from .conftest import run_ckpt
 from .run_fixtures import age
+from .s3_fixtures import S3Server, make_bucket
 from .test_megatron import megatron
 
 if importlib.util.find_spec("megatron") is None:
@@ -147,3 +148,25 @@ def test_latest_says_why_megatron_would_not_resume_from_its_answer(
     assert f"write its iteration into {TRACKER} to resume from iter_0000200" in latest.stderr
     result = run_ckpt("latest", run, "--json").json["result"]
     assert said in result["tracker_problem"]
+
+
+def test_sync_carries_the_tracker_there_and_back(
+    one_save: Path, s3_server: S3Server, tmp_path: Path
+) -> None:
+    make_bucket(s3_server.endpoint, "ckpts")
+    run = megatron_run(tmp_path, one_save, [100, 200, 300], "200")
+    pushed = run_ckpt("sync", run, "s3://ckpts/run")
+    assert pushed.exit_code == 0, pushed.stdout + pushed.stderr
+    fresh = tmp_path / "fresh-machine" / "ckpts"
+    pulled = run_ckpt("sync", "s3://ckpts/run/", fresh, "--latest", "--json")
+    assert pulled.exit_code == 0, pulled.stdout
+    assert sorted(p.name for p in fresh.iterdir() if not p.name.startswith(".")) == [
+        "iter_0000200",
+        TRACKER,
+    ]
+    assert (fresh / TRACKER).read_text() == "200"
+    assert files_of(fresh / "iter_0000200").items() >= files_of(run / "iter_0000200").items()
+    assert run_ckpt("latest", fresh).stdout.strip() == str(fresh / "iter_0000200")
+    # megatron-core's own load reads the pulled save
+    megatron("load", fresh / "iter_0000200", tmp_path / "back.pt")
+    assert pulled.json["result"]["latest"] == str(fresh / "iter_0000200")

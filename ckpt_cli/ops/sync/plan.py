@@ -13,6 +13,7 @@ from ...budgets import json_record_over_budget
 from ...errors import FormatError, NotFoundError
 from ...formats.names import is_commit_marker
 from ...sources.runs import RUN_SLIM_RECORD, UNMARKED, RunCheckpoint
+from ...sources.runs.naming import MEGATRON_TRACKER
 from ...sources.runs.records import SYNC_RECORD, checksum_manifest_of
 from ...storage import Storage, is_staging_name
 from ...storage.output import UPLOAD_BLOCK
@@ -21,7 +22,11 @@ from ..verify.checksum_manifest import ChecksumManifest
 #: files written after a checkpoint's data, in this order (the manifest always last)
 _LATE = ("trainer_state.json",)
 #: small run-folder files carried along so the remote run keeps its pointers and metrics
-ROOT_FILES = ("latest", "metrics.jsonl")
+#: (DeepSpeed's `latest`, Megatron-LM's `latest_checkpointed_iteration.txt`: without it a
+#: Megatron-LM run resumed from the copy starts from scratch)
+ROOT_FILES = ("latest", MEGATRON_TRACKER, "metrics.jsonl")
+#: of those, the pointers to a save (rewritten, not appended to)
+POINTER_FILES = ("latest", MEGATRON_TRACKER)
 #: the key (in the destination prefix) a sync writes once, with a wrong checksum, to learn
 #: whether the store checks checksums; kept only by a store that does not (and then deleted)
 CHECKSUM_PROBE = ".ckpt-checksum-probe"

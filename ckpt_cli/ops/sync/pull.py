@@ -34,7 +34,13 @@ from ...faults import (
 )
 from ...formats.names import CHECKPOINT_SUFFIXES, DCP_METADATA
 from ...sources.runs import RunCheckpoint, run_storage, scan_run
-from ...sources.runs.naming import deepspeed_step, deepspeed_tag
+from ...sources.runs.naming import (
+    MEGATRON_TRACKER,
+    deepspeed_step,
+    deepspeed_tag,
+    megatron_folder,
+    megatron_tracker,
+)
 from ...sources.runs.records import DEFAULT_SETTLE, checksum_manifest_of
 from ...storage import LocalStorage, Storage, safe_relpath
 from ...storage.base import PARITY_DIR
@@ -50,7 +56,7 @@ from ...storage.output import (
 from ...storage.uri import parse_location
 from ..verify.checksum_manifest import MANIFEST_NAME, ChecksumManifest, refuse_unsafe_manifest
 from .model import DEFAULT_JOBS, RateLimit, SyncedCheckpoint, SyncReport
-from .plan import ROOT_FILES, left_out, remote_manifest_bytes
+from .plan import POINTER_FILES, ROOT_FILES, left_out, remote_manifest_bytes
 
 
 def _unsafe_key(rel: str) -> bool:
@@ -595,9 +601,16 @@ def _root_file_newer(name: str, remote: bytes, local: bytes | None, held: set[st
     `latest` (DeepSpeed's pointer to its newest finished save): when the save it names is
     here whole (a pointer to a save that failed to pull would send `load_checkpoint` to a
     missing folder) and is not older than the one the local file names; a local run that
-    has moved past the store keeps its own. `metrics.jsonl`: when the remote log has grown
-    from the local one (a log written here since is kept).
+    has moved past the store keeps its own; Megatron-LM's `latest_checkpointed_iteration.txt`
+    alike. `metrics.jsonl`: when the remote log has grown from the local one (a log written
+    here since is kept).
     """
+    if name == MEGATRON_TRACKER:
+        named = megatron_tracker(remote.decode(errors="replace"))
+        if megatron_folder(named) not in held:
+            return False
+        ours = megatron_tracker(local.decode(errors="replace")) if local is not None else None
+        return not isinstance(ours, int) or not isinstance(named, int) or named >= ours
     if name == "latest":
         tag = deepspeed_tag(remote.decode(errors="replace"))
         if tag is None or tag not in held:
@@ -624,7 +637,7 @@ def _pull_root_files(
         local = dest_root / name
         mine = None
         if local.exists():
-            if not local.is_file() or (name != "latest" and local.stat().st_size >= size):
+            if not local.is_file() or (name not in POINTER_FILES and local.stat().st_size >= size):
                 continue  # an append-only log no longer than ours holds nothing new
             mine = local.read_bytes()
         remote = storage.read_all(name)
