@@ -225,6 +225,22 @@ def test_a_step_folder_of_plain_files_cut_short_is_incomplete_and_never_the_late
     assert (run / "step-300" / "optim.pt").exists()
 
 
+def test_a_loops_own_iter_folders_are_plain_saves_not_megatron_ones(tmp_path: Path) -> None:
+    """`iter_0000100/` is Megatron-LM's name, but a loop's own folder of safetensors and
+    torch.save files has no commit marker: one written a moment ago may still be being
+    written, so `prune --keep-last 1` keeps the newest settled save, not only that one."""
+    run = tmp_path / "run"
+    step_folder_save(run / "iter_0000100", 100)
+    age(run)
+    step_folder_save(run / "iter_0000200", 200)  # being written right now
+    report = run_ckpt("inspect", run, "--json").json["result"]["run"]
+    assert "megatron" not in report["layouts"]
+    pruned = run_ckpt("prune", run, "--keep-last", "1", "--yes")
+    assert pruned.exit_code == 0, pruned.stderr
+    assert (run / "iter_0000100" / "optim.pt").exists()
+    assert (run / "iter_0000200" / "optim.pt").exists()
+
+
 def test_an_accelerate_save_cut_short_before_its_rng_states_is_incomplete(
     tmp_path: Path,
 ) -> None:

@@ -72,6 +72,19 @@ def megatron_tracker(text: str) -> int | str | None:
     return number
 
 
+#: what Megatron-LM's `save_checkpoint` writes into an `iter_*` folder: a `torch_dist` (or
+#: `torch_dcp`) save's files, or a legacy save's per-rank folders (`mp_rank_00/`,
+#: `mp_rank_00_001/`, each with `model_optim_rng.pt`)
+_MEGATRON_FILE = re.compile(
+    r"metadata\.json|common\.pt|\.metadata|.*\.distcp|mp_rank_\d+(_\d+)*/.*"
+)
+
+
+def _holds_megatron_save(names: Iterable[str]) -> bool:
+    """Whether the paths inside a folder (relative to it) are a Megatron-LM save's."""
+    return any(_MEGATRON_FILE.fullmatch(name) for name in names)
+
+
 def megatron_folder(tracker: int | str | None) -> str | None:
     """The folder a Megatron-LM tracker's value sends `load_checkpoint` to (`iter_0000200`,
     `release`), None for none."""
@@ -494,9 +507,18 @@ def by_content(item: Found, files: Iterable[str]) -> Found:
       the user's own (`save_checkpoint(dir, tag=f"step_{n}")`), judged as a `global_stepN/`
       is (every rank's ZeRO partition, the `latest` file);
     - an accelerate save when a `checkpoint-N/` folder holds accelerate's `save_state` files
-      and none of the Trainer's (`_holds_accelerate_state`): the diffusers training scripts'.
+      and none of the Trainer's (`_holds_accelerate_state`): the diffusers training scripts';
+    - a plain save when an `iter_0000100/` folder (Megatron-LM's name) holds files and none
+      of Megatron-LM's (`_holds_megatron_save`): a training loop of one's own naming its saves
+      so is judged as plain saves are (no commit marker), not as a Megatron-LM save.
     """
     if not item.is_dir or item.temporary:
+        return item
+    if item.layout == MEGATRON:
+        inside = f"{item.rels[0]}/"
+        names = [rel[len(inside) :] for rel in files if rel.startswith(inside)]
+        if names and not _holds_megatron_save(names):
+            return dataclasses.replace(item, layout="plain")
         return item
     if item.layout == "hf-trainer" and _holds_accelerate_state(item.rels[0], files):
         return dataclasses.replace(item, layout="accelerate")
