@@ -157,6 +157,9 @@ def test_sync_carries_the_tracker_there_and_back(
     run = megatron_run(tmp_path, one_save, [100, 200, 300], "200")
     pushed = run_ckpt("sync", run, "s3://ckpts/run")
     assert pushed.exit_code == 0, pushed.stdout + pushed.stderr
+    remote = run_ckpt("latest", "s3://ckpts/run")
+    assert remote.stdout.strip() == "s3://ckpts/run/iter_0000200", remote.stdout + remote.stderr
+    assert "warning" not in remote.stderr
     fresh = tmp_path / "fresh-machine" / "ckpts"
     pulled = run_ckpt("sync", "s3://ckpts/run/", fresh, "--latest", "--json")
     assert pulled.exit_code == 0, pulled.stdout
