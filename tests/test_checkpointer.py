@@ -570,6 +570,79 @@ def test_two_ranks_resume_each_its_own_rng_state_and_counters(tmp_path: Path) ->
     assert into["samples"] == 100
 
 
+RANK_STATEFUL_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer
+from tests.dist_helpers import RANK_TIMEOUT
+
+
+class ShardReader:  # each rank reads its own shard: its position and shuffling generator differ
+    def __init__(self, rank):
+        self.position = 0
+        self.generator = torch.Generator().manual_seed(100 + rank)
+
+    def advance(self, n):
+        self.position += n
+        torch.randperm(8, generator=self.generator)
+
+    def state_dict(self):
+        return {"position": self.position, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+        self.generator.set_state(state["generator"])
+
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+model = torch.nn.Linear(8, 8)
+reader = ShardReader(rank)
+reader.advance(10 + rank)
+with Checkpointer(run) as ck:
+    ck.save(5, {"model": model, "data": reader})
+saved = reader.state_dict()
+into = {"model": torch.nn.Linear(8, 8), "data": ShardReader(rank)}
+Checkpointer(run).load_latest(into)
+torch.save({"saved": saved, "loaded": into["data"].state_dict()}, f"{out}.rank{rank}.pt")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torchrun
+def test_two_ranks_resume_each_its_own_stateful_data_loader_state(tmp_path: Path) -> None:
+    """A data loader whose state differs by rank (its shard's position and shuffling
+    generator): each rank resumed with the state of another rank (DCP keeps one rank's copy of
+    a key every rank saves), so the resumed run read other batches than the uninterrupted one."""
+    from .dist_helpers import run_torchrun
+
+    script = tmp_path / "rank_stateful.py"
+    script.write_text(RANK_STATEFUL_SCRIPT)
+    run_torchrun(script, 2, tmp_path / "run", tmp_path / "out")
+    states = [torch.load(tmp_path / f"out.rank{rank}.pt") for rank in (0, 1)]
+    assert states[0]["saved"]["position"] != states[1]["saved"]["position"]
+    for state in states:
+        saved, loaded = state["saved"], state["loaded"]
+        assert loaded["position"] == saved["position"]
+        assert torch.equal(loaded["generator"], saved["generator"])
+    # one process resuming from the 2-rank save gets rank 0's state
+    from ckpt_cli import Checkpointer
+
+    class Reader:
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.state = state
+
+    reader = Reader()
+    Checkpointer(tmp_path / "run").load_latest({"model": torch.nn.Linear(8, 8), "data": reader})
+    assert reader.state["position"] == states[0]["saved"]["position"]
+    assert torch.equal(reader.state["generator"], states[0]["saved"]["generator"])
+
+
 LOAD_AFTER_CLOSE_SCRIPT = """
 import json, sys
 import torch
