@@ -1781,6 +1781,37 @@ def test_a_full_disk_is_reported_as_such_in_one_line(
     assert not any(p.name.startswith("step-") for p in run.iterdir())
 
 
+def test_a_file_system_gone_read_only_mid_write_names_the_save_not_its_removed_staging_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run folder's file system turned read-only (an ext4 error remounts it so) while DCP
+    wrote a data file: the failure named that file in the staging folder the failure then
+    removed (`RUN/.step-1.ckpt-tmp-x8k2/__0_0.distcp: writing step 1 failed: ...`), a path
+    that never exists for the user to look at. It names the save and the file in it."""
+    import errno
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def read_only(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+        data = Path(self.path) / "__0_0.distcp"  # what DCP's writer opens first
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(data))
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", read_only)
+    run = tmp_path / "run"
+    from ckpt_cli import Checkpointer
+
+    with Checkpointer(run) as ck:
+        ck.save(1, {"model": torch.nn.Linear(4, 4)})
+    record, status = ck.wait(), ck.status()
+    assert record is not None and record.phase == "failed" and record.error is not None
+    assert record.error == status.last_error
+    assert record.error.startswith(
+        f"{run / 'step-1'}: writing step 1 (__0_0.distcp) failed: Read-only file system (EROFS)"
+    ), record.error
+    assert ".ckpt-tmp-" not in record.error and "read-only" in record.error
+    assert list(run.iterdir()) == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_a_save_larger_than_the_free_space_says_the_disk_is_full(tmp_path: Path) -> None:
     disk = tmp_path / "small"

@@ -1053,10 +1053,29 @@ class Checkpointer:
             ), True
         cause = causes[-1]
         if isinstance(cause, OSError):  # the file (or the run folder), the errno and a fix
-            return io_failure(cause, self.run_dir, writing).message, True
+            inside = self._in_staging(cause.filename, record)
+            if inside is None:
+                return io_failure(cause, self.run_dir, writing).message, True
+            # the staging folder was removed with the failure: the save's own name is the
+            # path, and the file is named inside it (rank R's files are named already)
+            unnamed = OSError(cause.errno, cause.strerror or str(cause))
+            doing = writing if ranks else f"{writing} ({inside})"
+            return io_failure(unnamed, self.run_dir / record.name, doing).message, True
         return f"{writing} failed: {type(cause).__name__}: {cause}", any(
             isinstance(c, OSError) for c in causes
         )
+
+    def _in_staging(self, filename: Any, record: SaveRecord) -> str | None:
+        """`filename`'s path inside the staging folder of `record`'s save (`__0_0.distcp`), or
+        None when it is not in one."""
+        if not isinstance(filename, str | Path):
+            return None
+        path = Path(filename)
+        staging = f".{record.name}{TMP_MARKER}"
+        for parent in path.parents:
+            if parent.parent == self.run_dir and parent.name.startswith(staging):
+                return path.relative_to(parent).as_posix()
+        return None
 
     def _share(self, value: Any) -> Any:
         """Rank 0's `value`, on every rank (over the write group)."""
