@@ -1812,6 +1812,40 @@ def test_a_file_system_gone_read_only_mid_write_names_the_save_not_its_removed_s
     assert list(run.iterdir()) == []
 
 
+def test_a_disk_that_fills_up_with_the_parity_says_so_as_a_full_disk_with_retentions_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tensors fit but the parity (`protect=`) did not: the failure was the staging
+    folder's generic one (`RUN/step-3: writing step-3 failed: No space left on device
+    (ENOSPC); the partial output was removed...`), not the documented full-disk line, and with
+    keep_last it never said that retention makes room only once the new save is published."""
+    import errno
+
+    import ckpt_cli.ops.parity as parity
+    from ckpt_cli import Checkpointer
+
+    protect = parity.protect
+
+    def full_at_step_3(path: str, *args: Any, **kwargs: Any) -> Any:
+        if ".step-3." in path:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{path}/ckpt-parity.json")
+        return protect(path, *args, **kwargs)
+
+    monkeypatch.setattr(parity, "protect", full_at_step_3)
+    run = tmp_path / "run"
+    with Checkpointer(run, keep_last=2, protect=1) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"model": torch.nn.Linear(64, 64)})
+    record = ck.wait()
+    assert record is not None and record.phase == "failed" and record.error is not None
+    assert record.error.startswith("writing step 3 failed: no space left on the device ("), (
+        record.error
+    )
+    assert "keep_last=2" in record.error and "room for 3 saves" in record.error
+    assert record.error.endswith(f"check free space at {run}") and "\n" not in record.error
+    assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2"]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_a_save_larger_than_the_free_space_says_the_disk_is_full(tmp_path: Path) -> None:
     disk = tmp_path / "small"
