@@ -1638,6 +1638,36 @@ def test_loading_into_a_state_that_does_not_match_the_save_raises_a_ckpt_error_n
         Checkpointer(tmp_path / "run").load_latest({"model": fresh, "optimizer": fresh_optimizer})
 
 
+def test_an_optimizer_over_two_models_of_the_state_is_told_to_save_them_as_one_entry(
+    tmp_path: Path,
+) -> None:
+    """An encoder and a decoder trained by one optimizer, each its own entry: `save` said the
+    optimizer's parameters belong to no model of the state and to pass "the model it
+    optimizes in the same mapping", which the user did. It names both models and how to save
+    them (one `ModuleDict` entry), which then saves and resumes."""
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import UsageError
+
+    encoder, decoder = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW([*encoder.parameters(), *decoder.parameters()])
+    run = tmp_path / "run"
+    with Checkpointer(run) as ck:
+        with pytest.raises(UsageError) as refused:
+            ck.save(1, {"encoder": encoder, "decoder": decoder, "optimizer": optimizer})
+        assert "'encoder', 'decoder'" in str(refused.value), refused.value
+        assert refused.value.fix is not None and "ModuleDict" in refused.value.fix
+        model = torch.nn.ModuleDict({"encoder": encoder, "decoder": decoder})
+        ck.save(1, {"model": model, "optimizer": optimizer})
+    saved = ck.wait()
+    assert saved is not None and saved.phase == "done", saved
+    fresh = torch.nn.ModuleDict(
+        {"encoder": torch.nn.Linear(4, 4), "decoder": torch.nn.Linear(4, 2)}
+    )
+    into = {"model": fresh, "optimizer": torch.optim.AdamW(fresh.parameters())}
+    assert Checkpointer(run).load_latest(into) is not None
+    assert torch.equal(fresh["decoder"].weight, decoder.weight)
+
+
 def test_a_plain_value_that_cannot_be_copied_is_refused_by_save_naming_the_entry(
     tmp_path: Path,
 ) -> None:

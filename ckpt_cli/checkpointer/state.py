@@ -146,6 +146,17 @@ def _owner(
     for module in models.values():
         if wanted <= {id(p) for p in module.parameters()}:
             return module
+    # DCP keys an optimizer's state by the parameter names of one module
+    sharing = [name for name, m in models.items() if wanted & {id(p) for p in m.parameters()}]
+    if len(sharing) > 1 and wanted <= {id(p) for n in sharing for p in models[n].parameters()}:
+        listed = ", ".join(repr(n) for n in sharing)
+        parts = ", ".join(f'"{n}": {n}' for n in sharing)
+        raise UsageError(
+            f"the optimizer {key!r} optimizes the parameters of several models of the state "
+            f"({listed}): its state is saved by the parameter names of one model",
+            fix="Save those models as one entry: "
+            f'{{"model": torch.nn.ModuleDict({{{parts}}}), "{key}": {key}}}.',
+        )
     raise UsageError(
         f"the optimizer {key!r} has parameters that no model of the state owns",
         fix="Pass the model it optimizes in the same mapping: "
