@@ -570,6 +570,79 @@ def test_two_ranks_resume_each_its_own_rng_state_and_counters(tmp_path: Path) ->
     assert into["samples"] == 100
 
 
+RANK_STATEFUL_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from ckpt_cli import Checkpointer
+from tests.dist_helpers import RANK_TIMEOUT
+
+
+class ShardReader:  # each rank reads its own shard: its position and shuffling generator differ
+    def __init__(self, rank):
+        self.position = 0
+        self.generator = torch.Generator().manual_seed(100 + rank)
+
+    def advance(self, n):
+        self.position += n
+        torch.randperm(8, generator=self.generator)
+
+    def state_dict(self):
+        return {"position": self.position, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+        self.generator.set_state(state["generator"])
+
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=RANK_TIMEOUT)
+rank = dist.get_rank()
+model = torch.nn.Linear(8, 8)
+reader = ShardReader(rank)
+reader.advance(10 + rank)
+with Checkpointer(run) as ck:
+    ck.save(5, {"model": model, "data": reader})
+saved = reader.state_dict()
+into = {"model": torch.nn.Linear(8, 8), "data": ShardReader(rank)}
+Checkpointer(run).load_latest(into)
+torch.save({"saved": saved, "loaded": into["data"].state_dict()}, f"{out}.rank{rank}.pt")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torchrun
+def test_two_ranks_resume_each_its_own_stateful_data_loader_state(tmp_path: Path) -> None:
+    """A data loader whose state differs by rank (its shard's position and shuffling
+    generator): each rank resumed with the state of another rank (DCP keeps one rank's copy of
+    a key every rank saves), so the resumed run read other batches than the uninterrupted one."""
+    from .dist_helpers import run_torchrun
+
+    script = tmp_path / "rank_stateful.py"
+    script.write_text(RANK_STATEFUL_SCRIPT)
+    run_torchrun(script, 2, tmp_path / "run", tmp_path / "out")
+    states = [torch.load(tmp_path / f"out.rank{rank}.pt") for rank in (0, 1)]
+    assert states[0]["saved"]["position"] != states[1]["saved"]["position"]
+    for state in states:
+        saved, loaded = state["saved"], state["loaded"]
+        assert loaded["position"] == saved["position"]
+        assert torch.equal(loaded["generator"], saved["generator"])
+    # one process resuming from the 2-rank save gets rank 0's state
+    from ckpt_cli import Checkpointer
+
+    class Reader:
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.state = state
+
+    reader = Reader()
+    Checkpointer(tmp_path / "run").load_latest({"model": torch.nn.Linear(8, 8), "data": reader})
+    assert reader.state["position"] == states[0]["saved"]["position"]
+    assert torch.equal(reader.state["generator"], states[0]["saved"]["generator"])
+
+
 LOAD_AFTER_CLOSE_SCRIPT = """
 import json, sys
 import torch
@@ -1565,6 +1638,36 @@ def test_loading_into_a_state_that_does_not_match_the_save_raises_a_ckpt_error_n
         Checkpointer(tmp_path / "run").load_latest({"model": fresh, "optimizer": fresh_optimizer})
 
 
+def test_an_optimizer_over_two_models_of_the_state_is_told_to_save_them_as_one_entry(
+    tmp_path: Path,
+) -> None:
+    """An encoder and a decoder trained by one optimizer, each its own entry: `save` said the
+    optimizer's parameters belong to no model of the state and to pass "the model it
+    optimizes in the same mapping", which the user did. It names both models and how to save
+    them (one `ModuleDict` entry), which then saves and resumes."""
+    from ckpt_cli import Checkpointer
+    from ckpt_cli.errors import UsageError
+
+    encoder, decoder = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW([*encoder.parameters(), *decoder.parameters()])
+    run = tmp_path / "run"
+    with Checkpointer(run) as ck:
+        with pytest.raises(UsageError) as refused:
+            ck.save(1, {"encoder": encoder, "decoder": decoder, "optimizer": optimizer})
+        assert "'encoder', 'decoder'" in str(refused.value), refused.value
+        assert refused.value.fix is not None and "ModuleDict" in refused.value.fix
+        model = torch.nn.ModuleDict({"encoder": encoder, "decoder": decoder})
+        ck.save(1, {"model": model, "optimizer": optimizer})
+    saved = ck.wait()
+    assert saved is not None and saved.phase == "done", saved
+    fresh = torch.nn.ModuleDict(
+        {"encoder": torch.nn.Linear(4, 4), "decoder": torch.nn.Linear(4, 2)}
+    )
+    into = {"model": fresh, "optimizer": torch.optim.AdamW(fresh.parameters())}
+    assert Checkpointer(run).load_latest(into) is not None
+    assert torch.equal(fresh["decoder"].weight, decoder.weight)
+
+
 def test_a_plain_value_that_cannot_be_copied_is_refused_by_save_naming_the_entry(
     tmp_path: Path,
 ) -> None:
@@ -1706,6 +1809,71 @@ def test_a_full_disk_is_reported_as_such_in_one_line(
     assert record.error.startswith("writing step 1 failed: no space left on the device (")
     assert record.error.endswith(f"check free space at {run}") and "\n" not in record.error
     assert not any(p.name.startswith("step-") for p in run.iterdir())
+
+
+def test_a_file_system_gone_read_only_mid_write_names_the_save_not_its_removed_staging_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run folder's file system turned read-only (an ext4 error remounts it so) while DCP
+    wrote a data file: the failure named that file in the staging folder the failure then
+    removed (`RUN/.step-1.ckpt-tmp-x8k2/__0_0.distcp: writing step 1 failed: ...`), a path
+    that never exists for the user to look at. It names the save and the file in it."""
+    import errno
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def read_only(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+        data = Path(self.path) / "__0_0.distcp"  # what DCP's writer opens first
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(data))
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", read_only)
+    run = tmp_path / "run"
+    from ckpt_cli import Checkpointer
+
+    with Checkpointer(run) as ck:
+        ck.save(1, {"model": torch.nn.Linear(4, 4)})
+    record, status = ck.wait(), ck.status()
+    assert record is not None and record.phase == "failed" and record.error is not None
+    assert record.error == status.last_error
+    assert record.error.startswith(
+        f"{run / 'step-1'}: writing step 1 (__0_0.distcp) failed: Read-only file system (EROFS)"
+    ), record.error
+    assert ".ckpt-tmp-" not in record.error and "read-only" in record.error
+    assert list(run.iterdir()) == []
+
+
+def test_a_disk_that_fills_up_with_the_parity_says_so_as_a_full_disk_with_retentions_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tensors fit but the parity (`protect=`) did not: the failure was the staging
+    folder's generic one (`RUN/step-3: writing step-3 failed: No space left on device
+    (ENOSPC); the partial output was removed...`), not the documented full-disk line, and with
+    keep_last it never said that retention makes room only once the new save is published."""
+    import errno
+
+    import ckpt_cli.ops.parity as parity
+    from ckpt_cli import Checkpointer
+
+    protect = parity.protect
+
+    def full_at_step_3(path: str, *args: Any, **kwargs: Any) -> Any:
+        if ".step-3." in path:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{path}/ckpt-parity.json")
+        return protect(path, *args, **kwargs)
+
+    monkeypatch.setattr(parity, "protect", full_at_step_3)
+    run = tmp_path / "run"
+    with Checkpointer(run, keep_last=2, protect=1) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"model": torch.nn.Linear(64, 64)})
+    record = ck.wait()
+    assert record is not None and record.phase == "failed" and record.error is not None
+    assert record.error.startswith("writing step 3 failed: no space left on the device ("), (
+        record.error
+    )
+    assert "keep_last=2" in record.error and "room for 3 saves" in record.error
+    assert record.error.endswith(f"check free space at {run}") and "\n" not in record.error
+    assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")

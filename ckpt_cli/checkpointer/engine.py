@@ -116,6 +116,11 @@ def _causes(exc: BaseException) -> list[BaseException]:
     return out
 
 
+def _out_of_space(causes: list[BaseException]) -> bool:
+    """Whether the disk (or the quota) was full: an `ENOSPC` / `EDQUOT` among `causes`."""
+    return any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes)
+
+
 def _failed_ranks(causes: list[BaseException]) -> list[int]:
     """The ranks whose part of a DCP save failed (its `CheckpointException` names them)."""
     for cause in causes:
@@ -1014,9 +1019,11 @@ class Checkpointer:
         reports it as a traceback of the zip writer, `unexpected pos 704 vs 598`), else the
         innermost cause; and whether the failure is an expected one (ckpt's own, or the
         operating system's), which needs no traceback."""
-        if isinstance(exc, CkptError):
-            return str(exc), True
         causes = _causes(exc)
+        if isinstance(exc, CkptError) and (record.path is not None or not _out_of_space(causes)):
+            # (a full disk before the publish, in the manifest or the parity, is said as one
+            # below; once published, the failure is the upload's, which says so itself)
+            return str(exc), True
         writing = f"writing step {record.step}"
         ranks = _failed_ranks(causes) if self._distributed else []
         if ranks:  # DCP hands every rank the failures of all: say whose write failed
@@ -1031,10 +1038,7 @@ class Checkpointer:
             free: int | None = shutil.disk_usage(self.run_dir).free
         except OSError:
             free = None
-        no_space = any(
-            isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes
-        )
-        if no_space or (free is not None and free < record.bytes):
+        if _out_of_space(causes) or (free is not None and free < record.bytes):
             room = f" ({free / 2**20:.1f} MiB free" if free is not None else " ("
             # (its checksum manifest and parity take more: the tensors are what is known)
             needs = ""
@@ -1053,10 +1057,29 @@ class Checkpointer:
             ), True
         cause = causes[-1]
         if isinstance(cause, OSError):  # the file (or the run folder), the errno and a fix
-            return io_failure(cause, self.run_dir, writing).message, True
+            inside = self._in_staging(cause.filename, record)
+            if inside is None:
+                return io_failure(cause, self.run_dir, writing).message, True
+            # the staging folder was removed with the failure: the save's own name is the
+            # path, and the file is named inside it (rank R's files are named already)
+            unnamed = OSError(cause.errno, cause.strerror or str(cause))
+            doing = writing if ranks else f"{writing} ({inside})"
+            return io_failure(unnamed, self.run_dir / record.name, doing).message, True
         return f"{writing} failed: {type(cause).__name__}: {cause}", any(
             isinstance(c, OSError) for c in causes
         )
+
+    def _in_staging(self, filename: Any, record: SaveRecord) -> str | None:
+        """`filename`'s path inside the staging folder of `record`'s save (`__0_0.distcp`), or
+        None when it is not in one."""
+        if not isinstance(filename, str | Path):
+            return None
+        path = Path(filename)
+        staging = f".{record.name}{TMP_MARKER}"
+        for parent in path.parents:
+            if parent.parent == self.run_dir and parent.name.startswith(staging):
+                return path.relative_to(parent).as_posix()
+        return None
 
     def _share(self, value: Any) -> Any:
         """Rank 0's `value`, on every rank (over the write group)."""

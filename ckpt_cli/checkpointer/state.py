@@ -11,10 +11,13 @@ Every entry of the mapping is one of:
 * any other Stateful object (scheduler, data loader, anything with `state_dict` and
   `load_state_dict`): its `state_dict()`, as `dcp.save` takes it;
 * a plain value (tensors, RNG states, counters, dicts of them): saved as it is. Every rank
-  has its own RNG state and counters, and DCP keeps one copy of a key every rank saves, so
-  under torchrun rank 0's values are saved under their own names (as one process saves them)
-  and rank R's under the save's record, `__ckpt__.ranks.rank-R.NAME`; `load_latest` gives
-  each rank the values it saved itself.
+  has its own RNG state and counters, and DCP keeps one copy of a key every rank saves (any
+  rank's), so under torchrun rank 0's values are saved under their own names (as one process
+  saves them) and rank R's under the save's record, `__ckpt__.ranks.rank-R.NAME`; so are the
+  Stateful objects' states (a data loader's position in its rank's shard differs by rank),
+  but for an LR scheduler's (`per_rank`); `load_latest` gives each rank the values and states
+  it saved itself (a save without a rank's states, older or resharded with `--rank-state
+  drop`: rank 0's).
 
 The save's own record, the entry `__ckpt__`, also holds its layout version, world size and
 training step, and, for each rank, the shape of every Stateful's state and plain value (`shapes.rank-R`, a JSON
@@ -143,6 +146,17 @@ def _owner(
     for module in models.values():
         if wanted <= {id(p) for p in module.parameters()}:
             return module
+    # DCP keys an optimizer's state by the parameter names of one module
+    sharing = [name for name, m in models.items() if wanted & {id(p) for p in m.parameters()}]
+    if len(sharing) > 1 and wanted <= {id(p) for n in sharing for p in models[n].parameters()}:
+        listed = ", ".join(repr(n) for n in sharing)
+        parts = ", ".join(f'"{n}": {n}' for n in sharing)
+        raise UsageError(
+            f"the optimizer {key!r} optimizes the parameters of several models of the state "
+            f"({listed}): its state is saved by the parameter names of one model",
+            fix="Save those models as one entry: "
+            f'{{"model": torch.nn.ModuleDict({{{parts}}}), "{key}": {key}}}.',
+        )
     raise UsageError(
         f"the optimizer {key!r} has parameters that no model of the state owns",
         fix="Pass the model it optimizes in the same mapping: "
@@ -195,10 +209,24 @@ def capture(
         record["step"] = step
     if rank == 0:
         out.update(values)
-    elif values:
-        record["ranks"] = {rank_path(rank)[-1]: values}
+    else:
+        # a Stateful's state differs by rank too (a data loader's position in its shard, an
+        # RNG wrapper's state), and DCP keeps one copy of a key every rank saves (any rank's)
+        own = {
+            e.key: out.pop(e.key) if e.kind == "stateful" else e.obj
+            for e in items
+            if e.kind == "value" or per_rank(e)
+        }
+        if own:
+            record["ranks"] = {rank_path(rank)[-1]: own}
     out[RECORD_KEY] = record
     return out
+
+
+def per_rank(e: Entry) -> bool:
+    """Whether a Stateful entry's state is saved for every rank (see the module): all but an
+    LR scheduler's, which follows the optimizer's parameter groups, the same on every rank."""
+    return e.kind == "stateful" and not isinstance(e.obj, torch.optim.lr_scheduler.LRScheduler)
 
 
 def fill_quietly(optimizer: torch.optim.Optimizer) -> None:
@@ -264,7 +292,11 @@ def load_template(items: list[Entry], metadata: Any, where: str, rank: int = 0) 
         # live one's is empty too, the shapes of ckpt's record tell whether it was saved so
         # (`rebuild` judges it once they are read); any other is refused before the load
         recorded = e.kind == "stateful" and shapes_fqn is not None and not e.obj.state_dict()
-        if e.kind in ("model", "optimizer", "stateful") and e.key not in saved and not recorded:
+        # this rank's own copy of a Stateful's state (rank 0's, under its name, for a save
+        # that holds none: an older one, or one resharded with `--rank-state drop`)
+        own = e.kind == "stateful" and bool(prefix) and _rank_saved(metadata, (*prefix, e.key))
+        missing = e.key not in saved and not own
+        if e.kind in ("model", "optimizer", "stateful") and missing and not recorded:
             raise _no_entry(e, where)
         if e.kind == "optimizer" and not any(
             tuple(paths.get(fqn, (fqn,)))[:2] == (e.key, "state")
@@ -276,7 +308,7 @@ def load_template(items: list[Entry], metadata: Any, where: str, rank: int = 0) 
         if e.kind in ("model", "optimizer"):
             continue
         found = False
-        where_values = (*prefix, e.key) if e.kind == "value" else (e.key,)
+        where_values = (*prefix, e.key) if e.kind == "value" or own else (e.key,)
         for fqn, md in metadata.state_dict_metadata.items():
             path = tuple(paths.get(fqn, (fqn,)))
             if path[: len(where_values)] != where_values:

@@ -11,12 +11,14 @@ cuts the bookkeeping for the new world size itself, so a Checkpointer save needs
 | `__ckpt__.world_size` | the world size the save is laid out for | the new one |
 | `__ckpt__.step` | the training step saved (`save`'s own argument; older saves lack it) | carried |
 | `__ckpt__.shapes.rank-R` | the shapes of rank R's Stateful states and plain values (JSON) | kept for ranks below the new world size; a new rank gets a copy of the shapes of the rank its values are copied from (`--rank-state replicate`), else of the lowest rank's |
-| `__ckpt__.ranks.rank-R.NAME` | rank R's own plain values (RNG states, counters), R >= 1 | the user's per-rank state: as `--rank-state` says |
+| `__ckpt__.ranks.rank-R.NAME` | rank R's own plain values (RNG states, counters) and Stateful states (a data loader's; an LR scheduler's is saved once), R >= 1 | the user's per-rank state: as `--rank-state` says |
 
-Rank 0's plain values are saved under their own names, never under the record. The Stateful
-states (scheduler, data loader) are saved once for every rank, so the shapes a new rank gets
-describe them exactly: its int dict keys and empty containers come back as saved. Its plain
-values are not there unless `--rank-state replicate` copied them; `load_latest` then names them.
+Rank 0's plain values and Stateful states are saved under their own names, never under the
+record. A rank whose Stateful states are not there (`--rank-state drop`, a new rank without
+`replicate`; saves older than the per-rank states) loads rank 0's, and gets rank 0's shapes
+unless `replicate` copied another rank's, so its int dict keys and empty containers come back
+as saved. Its plain values are not there unless `--rank-state replicate` copied them;
+`load_latest` then names them.
 """
 
 from __future__ import annotations
