@@ -772,6 +772,55 @@ def test_a_last_save_under_a_tag_with_no_step_is_the_runs_newest(
     assert actions == {"step_1": "delete", "step_2": "delete", "final": "keep"}, plan
 
 
+def test_slimming_a_deepspeed_run_names_the_zero_partitions_it_keeps(
+    tagged_run: Path, trainer_zero_run: Path, tmp_path: Path
+) -> None:
+    """A DeepSpeed save's optimizer lives in its ZeRO partitions, which hold the fp32 weights
+    and are kept: `prune --slim-older-than 1` of a DeepSpeed run printed the plain keep table
+    and slimmed nothing without a word, and of a Trainer run under DeepSpeed planned "drop
+    optimizer, rng…" while it removed the RNG files alone. Each now says what stays and why."""
+    from .run_fixtures import age
+
+    run = shutil.copytree(tagged_run, tmp_path / "run")
+    age(run)
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    planned = run_ckpt("prune", run, "--slim-older-than", "1", "--settle", "0", "--json")
+    assert planned.exit_code == 0, planned.stderr
+    report = planned.json["result"]
+    assert report["to_slim"] == 0
+    why = {d["name"]: d["not_slimmed"] for d in report["decisions"]}
+    assert why["step_3"] is None
+    for name in ("step_1", "step_2"):
+        assert why[name] is not None and why[name].startswith("its optimizer is in "), why
+        assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in why[name]
+        assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" in why[name]
+        assert why[name].endswith("(kept: they hold the weights too)")
+    human = run_ckpt("prune", run, "--slim-older-than", "1", "--settle", "0", "--yes")
+    assert human.exit_code == 0, human.stderr
+    assert "not slimmed: its optimizer is in" in human.stdout
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+
+    trainer = shutil.copytree(trainer_zero_run, tmp_path / "trainer")
+    age(trainer)
+    planned = run_ckpt("prune", trainer, "--slim-older-than", "1", "--settle", "0", "--json")
+    slims = {d["name"]: d["slim"] for d in planned.json["result"]["decisions"] if d["slim"]}
+    assert list(slims) == ["checkpoint-2"], planned.json
+    assert slims["checkpoint-2"]["files"] == ["rng_state_0.pth", "rng_state_1.pth"]
+    assert "optimizer" not in slims["checkpoint-2"]["components"]
+    assert [k.split(" (")[0] for k in slims["checkpoint-2"]["kept"]] == [
+        "optimizer is in global_step2/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt, "
+        "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    ]
+    applied = run_ckpt("prune", trainer, "--slim-older-than", "1", "--settle", "0", "--yes")
+    assert applied.exit_code == 0, applied.stderr
+    assert "its optimizer is in" in applied.stdout
+    slimmed = trainer / "checkpoint-2"
+    assert not list(slimmed.glob("rng_state_*.pth"))
+    assert len(list((slimmed / "global_step2").glob("*optim_states.pt"))) == 2
+    record = json.loads((slimmed / "ckpt-slim.json").read_text())
+    assert "optimizer" not in record["components"]
+
+
 def test_a_trainer_deepspeed_save_resharded_to_one_rank_resumes_in_the_trainer(
     trainer_zero_run: Path, tmp_path: Path
 ) -> None:
