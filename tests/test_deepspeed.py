@@ -772,6 +772,51 @@ def test_a_last_save_under_a_tag_with_no_step_is_the_runs_newest(
     assert actions == {"step_1": "delete", "step_2": "delete", "final": "keep"}, plan
 
 
+def test_a_trainer_deepspeed_folder_put_together_from_two_saves_fails_verify(
+    trainer_zero_run: Path, tmp_path: Path
+) -> None:
+    """A Trainer `checkpoint-4/` under DeepSpeed holding `checkpoint-2`'s DeepSpeed tag (its
+    `latest` and `global_step2/`) beside its own `trainer_state.json` (global_step 4), or its
+    own tag beside `checkpoint-2`'s `trainer_state.json`: the Trainer resumes DeepSpeed's
+    engine by `latest` and the data position by the file, two saves' states. `verify
+    --resumable` said OK and `latest` named it; the file's global_step is now checked against
+    the tag `latest` names (and, as in any Trainer save, the folder's name)."""
+    from transformers import TrainerState
+
+    from .run_fixtures import age
+
+    for mix in ("tag", "state"):
+        run = shutil.copytree(trainer_zero_run, tmp_path / mix)
+        folder = run / "checkpoint-4"
+        if mix == "tag":
+            shutil.rmtree(folder / "global_step4")
+            shutil.copytree(run / "checkpoint-2" / "global_step2", folder / "global_step2")
+            shutil.copy2(run / "checkpoint-2" / "latest", folder / "latest")
+        else:
+            shutil.copy2(run / "checkpoint-2" / "trainer_state.json", folder)
+        age(run)
+        resumed_at = TrainerState.load_from_json(str(folder / "trainer_state.json")).global_step
+        tag = (folder / "latest").read_text().strip()
+        assert (resumed_at, tag) == ((4, "global_step2") if mix == "tag" else (2, "global_step4"))
+        result = run_ckpt("verify", folder, "--resumable", "--json")
+        assert result.exit_code == 1, (mix, result.stdout)
+        problems = [p for p in result.json["result"]["problems"] if p["severity"] == "error"]
+        assert {p["code"] for p in problems} == {"trainer_state_mismatch"}, problems
+        assert {p["file"] for p in problems} == {str(folder / "trainer_state.json")}
+        by_tag = [p["message"] for p in problems if "`latest` names" in p["message"]]
+        assert len(by_tag) == 1, problems
+        assert f"records global_step {resumed_at}" in by_tag[0] and tag in by_tag[0]
+        latest = run_ckpt("latest", run, "--json").json["result"]
+        assert latest["latest"] == str(run / "checkpoint-2"), (mix, latest)
+        rows = {c["name"]: c for c in latest["checkpoints"]}
+        assert rows["checkpoint-4"]["status"] == "incomplete"
+        assert "trainer_state.json" in rows["checkpoint-4"]["reason"]
+        doctor = run_ckpt("doctor", folder, "--json")
+        assert doctor.exit_code == 1, (mix, doctor.stdout)
+    whole = run_ckpt("verify", trainer_zero_run / "checkpoint-4", "--resumable")
+    assert whole.exit_code == 0, whole.stdout
+
+
 def test_slimming_a_deepspeed_run_names_the_zero_partitions_it_keeps(
     tagged_run: Path, trainer_zero_run: Path, tmp_path: Path
 ) -> None:
