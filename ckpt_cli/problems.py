@@ -328,8 +328,8 @@ CODES: dict[str, Code] = _codes(
     Code(
         "trainer_state_mismatch",
         _E,
-        "a Trainer `checkpoint-N`'s trainer_state.json records another global_step than N "
-        "(another save's file)",
+        "a Trainer `checkpoint-N`'s trainer_state.json records another global_step than N, or "
+        "than the DeepSpeed tag its `latest` names (another save's file)",
     ),
     Code(
         "stray_partition",

@@ -772,6 +772,100 @@ def test_a_last_save_under_a_tag_with_no_step_is_the_runs_newest(
     assert actions == {"step_1": "delete", "step_2": "delete", "final": "keep"}, plan
 
 
+def test_a_trainer_deepspeed_folder_put_together_from_two_saves_fails_verify(
+    trainer_zero_run: Path, tmp_path: Path
+) -> None:
+    """A Trainer `checkpoint-4/` under DeepSpeed holding `checkpoint-2`'s DeepSpeed tag (its
+    `latest` and `global_step2/`) beside its own `trainer_state.json` (global_step 4), or its
+    own tag beside `checkpoint-2`'s `trainer_state.json`: the Trainer resumes DeepSpeed's
+    engine by `latest` and the data position by the file, two saves' states. `verify
+    --resumable` said OK and `latest` named it; the file's global_step is now checked against
+    the tag `latest` names (and, as in any Trainer save, the folder's name)."""
+    from transformers import TrainerState
+
+    from .run_fixtures import age
+
+    for mix in ("tag", "state"):
+        run = shutil.copytree(trainer_zero_run, tmp_path / mix)
+        folder = run / "checkpoint-4"
+        if mix == "tag":
+            shutil.rmtree(folder / "global_step4")
+            shutil.copytree(run / "checkpoint-2" / "global_step2", folder / "global_step2")
+            shutil.copy2(run / "checkpoint-2" / "latest", folder / "latest")
+        else:
+            shutil.copy2(run / "checkpoint-2" / "trainer_state.json", folder)
+        age(run)
+        resumed_at = TrainerState.load_from_json(str(folder / "trainer_state.json")).global_step
+        tag = (folder / "latest").read_text().strip()
+        assert (resumed_at, tag) == ((4, "global_step2") if mix == "tag" else (2, "global_step4"))
+        result = run_ckpt("verify", folder, "--resumable", "--json")
+        assert result.exit_code == 1, (mix, result.stdout)
+        problems = [p for p in result.json["result"]["problems"] if p["severity"] == "error"]
+        assert {p["code"] for p in problems} == {"trainer_state_mismatch"}, problems
+        assert {p["file"] for p in problems} == {str(folder / "trainer_state.json")}
+        by_tag = [p["message"] for p in problems if "`latest` names" in p["message"]]
+        assert len(by_tag) == 1, problems
+        assert f"records global_step {resumed_at}" in by_tag[0] and tag in by_tag[0]
+        latest = run_ckpt("latest", run, "--json").json["result"]
+        assert latest["latest"] == str(run / "checkpoint-2"), (mix, latest)
+        rows = {c["name"]: c for c in latest["checkpoints"]}
+        assert rows["checkpoint-4"]["status"] == "incomplete"
+        assert "trainer_state.json" in rows["checkpoint-4"]["reason"]
+        doctor = run_ckpt("doctor", folder, "--json")
+        assert doctor.exit_code == 1, (mix, doctor.stdout)
+    whole = run_ckpt("verify", trainer_zero_run / "checkpoint-4", "--resumable")
+    assert whole.exit_code == 0, whole.stdout
+
+
+def test_slimming_a_deepspeed_run_names_the_zero_partitions_it_keeps(
+    tagged_run: Path, trainer_zero_run: Path, tmp_path: Path
+) -> None:
+    """A DeepSpeed save's optimizer lives in its ZeRO partitions, which hold the fp32 weights
+    and are kept: `prune --slim-older-than 1` of a DeepSpeed run printed the plain keep table
+    and slimmed nothing without a word, and of a Trainer run under DeepSpeed planned "drop
+    optimizer, rng…" while it removed the RNG files alone. Each now says what stays and why."""
+    from .run_fixtures import age
+
+    run = shutil.copytree(tagged_run, tmp_path / "run")
+    age(run)
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    planned = run_ckpt("prune", run, "--slim-older-than", "1", "--settle", "0", "--json")
+    assert planned.exit_code == 0, planned.stderr
+    report = planned.json["result"]
+    assert report["to_slim"] == 0
+    why = {d["name"]: d["not_slimmed"] for d in report["decisions"]}
+    assert why["step_3"] is None
+    for name in ("step_1", "step_2"):
+        assert why[name] is not None and why[name].startswith("its optimizer is in "), why
+        assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in why[name]
+        assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" in why[name]
+        assert why[name].endswith("(kept: they hold the weights too)")
+    human = run_ckpt("prune", run, "--slim-older-than", "1", "--settle", "0", "--yes")
+    assert human.exit_code == 0, human.stderr
+    assert "not slimmed: its optimizer is in" in human.stdout
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+
+    trainer = shutil.copytree(trainer_zero_run, tmp_path / "trainer")
+    age(trainer)
+    planned = run_ckpt("prune", trainer, "--slim-older-than", "1", "--settle", "0", "--json")
+    slims = {d["name"]: d["slim"] for d in planned.json["result"]["decisions"] if d["slim"]}
+    assert list(slims) == ["checkpoint-2"], planned.json
+    assert slims["checkpoint-2"]["files"] == ["rng_state_0.pth", "rng_state_1.pth"]
+    assert "optimizer" not in slims["checkpoint-2"]["components"]
+    assert [k.split(" (")[0] for k in slims["checkpoint-2"]["kept"]] == [
+        "optimizer is in global_step2/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt, "
+        "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    ]
+    applied = run_ckpt("prune", trainer, "--slim-older-than", "1", "--settle", "0", "--yes")
+    assert applied.exit_code == 0, applied.stderr
+    assert "its optimizer is in" in applied.stdout
+    slimmed = trainer / "checkpoint-2"
+    assert not list(slimmed.glob("rng_state_*.pth"))
+    assert len(list((slimmed / "global_step2").glob("*optim_states.pt"))) == 2
+    record = json.loads((slimmed / "ckpt-slim.json").read_text())
+    assert "optimizer" not in record["components"]
+
+
 def test_a_trainer_deepspeed_save_resharded_to_one_rank_resumes_in_the_trainer(
     trainer_zero_run: Path, tmp_path: Path
 ) -> None:

@@ -708,6 +708,41 @@ def test_differing_safetensors_metadata_is_named_but_an_equal_total_size_is_not(
     assert "foo" in extra.stderr and '"bar"' in extra.stderr, extra.stderr
 
 
+def test_a_later_shards_differing_metadata_is_named_with_its_shard(tmp_path: Path) -> None:
+    """Only the first shard's `__metadata__` was compared: two sharded models whose second
+    shard was written again with a note of its own (`save_file(..., metadata=...)`) diffed
+    IDENTICAL without a word. Every shard's metadata is compared now, and the note names the
+    shard; against another sharding, the shards that hold each value are named."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    state = tiny_state()
+    plain, noted = (hf_save(state, tmp_path / side, "2KB") for side in ("plain", "noted"))
+    shards = sorted(noted.glob("*.safetensors"))
+    assert len(shards) > 2
+    last = shards[-1]
+    save_file(load_file(last), last, metadata={"format": "pt", "note": "re-saved"})
+    with safe_open(last, "pt") as f:
+        assert f.metadata()["note"] == "re-saved"
+    with safe_open(shards[0], "pt") as f:
+        assert "note" not in f.metadata()
+    found = run_ckpt("diff", plain, noted, "--json")
+    assert found.exit_code == 0, found.stdout
+    notes = [w for w in found.json["result"]["warnings"] if "note" in w]
+    assert len(notes) == 1, found.json["result"]["warnings"]
+    assert last.name in notes[0] and '"re-saved"' in notes[0] and "(none)" in notes[0]
+    human = run_ckpt("diff", plain, noted)
+    assert last.name in human.stderr and '"re-saved"' in human.stderr, human.stderr
+    # another sharding of the same tensors: the shard that holds the note is named
+    whole = tmp_path / "whole.safetensors"
+    save_file(state, whole, metadata={"format": "pt"})
+    across = run_ckpt("diff", whole, noted, "--json")
+    assert across.exit_code == 0, across.stdout
+    notes = [w for w in across.json["result"]["warnings"] if "note" in w]
+    assert len(notes) == 1 and last.name in notes[0], across.json["result"]["warnings"]
+    assert not run_ckpt("diff", plain, whole, "--json").json["result"]["warnings"]
+
+
 def test_negative_zero_differs_from_zero_in_tensors_and_in_plain_floats_alike(
     tmp_path: Path,
 ) -> None:

@@ -144,7 +144,7 @@ def test_policy_usage_errors(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- slimming
 
 
-def _train_with_the_real_trainer(out: Path) -> None:
+def _train_with_the_real_trainer(out: Path, *, save_only_model: bool = False) -> None:
     """transformers' Trainer on a 2-layer GPT-2 (hidden 16): checkpoint-2, -4, -6."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -171,6 +171,7 @@ def _train_with_the_real_trainer(out: Path) -> None:
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
+        save_only_model=save_only_model,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -224,6 +225,40 @@ def test_slimming_a_real_trainer_run_keeps_weights_and_drops_resume_state(tmp_pa
     assert run_ckpt("latest", out).stdout.strip() == str(out / "checkpoint-6")
     table = run_ckpt("inspect", out, "--json").json["result"]["run"]["checkpoints"]
     assert {c["name"] for c in table if "weights-only" in c["markers"]} == set(slimmed)
+
+
+@pytest.mark.slow
+def test_an_old_save_with_nothing_to_slim_says_why_it_stays_whole(tmp_path: Path) -> None:
+    """A Trainer run with `save_only_model=True` keeps no optimizer or RNG state: `prune
+    --slim-older-than 1` printed the plain keep table ("complete (no retention policy given)")
+    and slimmed nothing, without a word of why. Each older save now says why it stays whole
+    (JSON `not_slimmed`), and nothing is touched."""
+    out = tmp_path / "out"
+    _train_with_the_real_trainer(out, save_only_model=True)
+    for folder in out.iterdir():
+        assert not (folder / "optimizer.pt").exists() and not (folder / "rng_state.pth").exists()
+        set_mtime(folder, time.time() - DAY)
+    best = Path(
+        json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())[
+            "best_model_checkpoint"
+        ]
+    ).name
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    planned = run_ckpt("prune", out, "--slim-older-than", "1", "--json")
+    assert planned.exit_code == 0, planned.stderr
+    report = planned.json["result"]
+    assert report["to_slim"] == 0
+    why = {d["name"]: d["not_slimmed"] for d in report["decisions"]}
+    assert why["checkpoint-6"] is None  # the newest: the policy keeps it whole
+    for name in ("checkpoint-2", "checkpoint-4"):
+        if name == best:
+            assert why[name] == "the Trainer's best_model_checkpoint is never slimmed", why
+        else:
+            assert why[name] == "it holds no optimizer, RNG or data-loader state", why
+    human = run_ckpt("prune", out, "--slim-older-than", "1", "--yes")
+    assert human.exit_code == 0, human.stderr
+    assert "not slimmed: it holds no optimizer, RNG or data-loader state" in human.stdout
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
 def load_model(folder: Path, inspected: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -99,11 +99,14 @@ def render_prune(report: PruneReport, *, dry_run: bool = False) -> None:
         d_rule = d.rule
         if d.action == "keep":
             action = "[green]keep[/]"
+            if d.not_slimmed:
+                d_rule = f"{d.rule}; not slimmed: {d.not_slimmed}"
         elif d.action == "slim":
             done = "slimmed" if d.deleted else "[yellow]not slimmed[/]"
             action = f"[cyan]{done if report.applied else 'slim'}[/]"
             freed = d.slim.bytes if d.slim is not None else 0
-            d_rule = f"{d.rule}; frees {'' if report.applied else '~'}{human_bytes(freed)}"
+            kept = "".join(f"; its {why}" for why in (d.slim.kept if d.slim else []))
+            d_rule = f"{d.rule}{kept}; frees {'' if report.applied else '~'}{human_bytes(freed)}"
         elif report.applied:
             action = (
                 "[red]deleted[/]"
@@ -114,7 +117,7 @@ def render_prune(report: PruneReport, *, dry_run: bool = False) -> None:
             )
         else:
             action = "[red]delete[/]"
-        rule = (d_rule if d.action == "slim" else d.rule) + (f" ({d.error})" if d.error else "")
+        rule = d_rule + (f" ({d.error})" if d.error else "")
         table.add_row(
             d.name,
             str(d.step) if d.step is not None else "?",

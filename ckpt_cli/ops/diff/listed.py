@@ -3,8 +3,8 @@ Trainer's `training_args.bin`, a pickle no input may be unpickled for), which `d
 compare by value: each is named, with why, and where both sides hold it its bytes are
 compared (sizes, then, where they agree, a streamed sha256), so a user knows whether it changed.
 
-Likewise the metadata two safetensors checkpoints keep about their files: the header's
-`__metadata__` (`{"format": "pt"}`, a writer's notes) and an index's `metadata` object
+Likewise the metadata two safetensors checkpoints keep about their files: every shard's
+header `__metadata__` (`{"format": "pt"}`, a writer's notes) and an index's `metadata` object
 (`total_size`, anything else its writer put there). It describes the files, holds no tensor
 value, and `convert` / `reshard` rewrite it, so a key that differs is a note, not a
 difference. Alias records (`lm_head.weight` -> `transformer.wte.weight`) are left to the
@@ -59,33 +59,81 @@ def _digest(checkpoint: Checkpoint, name: str, size: int) -> str:
 
 
 def file_metadata_notes(ca: Checkpoint, cb: Checkpoint) -> list[str]:
-    """One line per key of the safetensors file metadata (header `__metadata__`, index
-    `metadata`) whose value differs between two safetensors checkpoints; none when either
-    side is another format (which keeps no such metadata)."""
+    """One line per key of the safetensors file metadata (every shard's header
+    `__metadata__`, the index's `metadata`) whose value differs between two safetensors
+    checkpoints; none when either side is another format (which keeps no such metadata).
+
+    Two shardings of one file list are compared shard by shard, and a note names the shard;
+    two other shardings by the values each side's shards hold, naming the shards of a side
+    whose shards disagree."""
     from ...formats.safetensors.format import SafetensorsCheckpoint
 
     if not (isinstance(ca, SafetensorsCheckpoint) and isinstance(cb, SafetensorsCheckpoint)):
         return []
-    notes = []
-    headers = [
-        {k: v for k, v in c.manifest.metadata.items() if k not in metadata_aliases(c.manifest)}
+    suffix = " (A → B; file metadata, no tensor value: not a difference)"
+    shards_a, shards_b = (
+        [
+            (
+                h.file,
+                {
+                    k: v
+                    for k, v in h.metadata.items()
+                    if k not in metadata_aliases(c.manifest, h.metadata)
+                },
+            )
+            for h in c.headers
+        ]
         for c in (ca, cb)
-    ]
+    )
+    notes = []
+    files_a, files_b = [f for f, _ in shards_a], [f for f, _ in shards_b]
+    if files_a == files_b or len(files_a) == len(files_b) == 1:
+        for (file, meta_a), (_, meta_b) in zip(shards_a, shards_b, strict=True):
+            where = f" of {file}" if len(files_a) > 1 else ""
+            for key in sorted(meta_a.keys() | meta_b.keys()):
+                value_a, value_b = _shown(meta_a, key), _shown(meta_b, key)
+                if value_a != value_b:
+                    notes.append(
+                        f"safetensors __metadata__{where} {key}: {value_a} → {value_b}{suffix}"
+                    )
+    else:
+        keys = sorted({k for _, meta in [*shards_a, *shards_b] for k in meta})
+        for key in keys:
+            spread_a, spread_b = _spread(shards_a, key), _spread(shards_b, key)
+            if spread_a.keys() != spread_b.keys():
+                notes.append(
+                    f"safetensors __metadata__ {key}: {_spread_shown(spread_a)} → "
+                    f"{_spread_shown(spread_b)}{suffix}"
+                )
     # `total_size` is the sum of the tensors' bytes, which the tensors' own comparison
     # covers: a cast or a dequantized twin differs there already, two shardings never do
-    indexes = [{k: v for k, v in c.index_metadata.items() if k != "total_size"} for c in (ca, cb)]
-    for what, (meta_a, meta_b) in (
-        ("__metadata__", headers),
-        ("index metadata", indexes),
-    ):
-        for key in sorted(meta_a.keys() | meta_b.keys()):
-            value_a, value_b = _shown(meta_a, key), _shown(meta_b, key)
-            if value_a != value_b:
-                notes.append(
-                    f"safetensors {what} {key}: {value_a} → {value_b} (A → B; file "
-                    "metadata, no tensor value: not a difference)"
-                )
+    index_a, index_b = (
+        {k: v for k, v in c.index_metadata.items() if k != "total_size"} for c in (ca, cb)
+    )
+    for key in sorted(index_a.keys() | index_b.keys()):
+        value_a, value_b = _shown(index_a, key), _shown(index_b, key)
+        if value_a != value_b:
+            notes.append(f"safetensors index metadata {key}: {value_a} → {value_b}{suffix}")
     return notes
+
+
+def _spread(shards: list[tuple[str, dict[str, str]]], key: str) -> dict[str, list[str]]:
+    """The values `key` takes in a side's shards (shown, `(none)` where a shard lacks it),
+    each with the shards that hold it."""
+    spread: dict[str, list[str]] = {}
+    for file, meta in shards:
+        spread.setdefault(_shown(meta, key), []).append(file)
+    return spread
+
+
+def _spread_shown(spread: dict[str, list[str]]) -> str:
+    """One value when a side's shards agree, else each value with (up to 3 of) its shards."""
+    if len(spread) == 1:
+        return next(iter(spread))
+    return "; ".join(
+        f"{value} in {', '.join(files[:3])}{f' (+{len(files) - 3} more)' if len(files) > 3 else ''}"
+        for value, files in spread.items()
+    )
 
 
 def _shown(meta: dict[str, Any], key: str) -> str:

@@ -103,6 +103,9 @@ class PruneDecision(Record):
         rule: the rule that decided (every rule that keeps it, joined by `; `).
         rules: every rule that keeps it (empty for a deletion).
         slim: for `slim`: what is removed and the bytes it frees.
+        not_slimmed: with `--slim-older-than`, for a complete checkpoint older than the newest
+            N whole ones that is kept whole: why it is not slimmed (`it holds no optimizer,
+            RNG or data-loader state`).
         deleted: with `--yes`, whether it is gone (for `slim`: whether it was slimmed).
         error: why the deletion failed or was skipped; it begins with `PARTLY_DELETED` when
             the checkpoint is partly removed (what is left is named).
@@ -120,6 +123,7 @@ class PruneDecision(Record):
     rule: str
     rules: list[str] = Field(default_factory=list)
     slim: SlimAction | None = None
+    not_slimmed: str | None = None
     deleted: bool = False
     error: str | None = None
 
@@ -377,15 +381,16 @@ def _decide(
     return "delete", ["not kept by any rule" + (f" ({'; '.join(notes)})" if notes else "")]
 
 
-#: markers of checkpoints never slimmed: a resume point, the best, what a pointer names
-_NEVER_SLIM = (
-    "newest",
-    "best",
-    "trainer-best",
-    "deepspeed-latest",
-    "megatron-latest",
-    "link-target",
-)
+#: markers of checkpoints never slimmed (a resume point, the best, what a pointer names), each
+#: with what it says of the checkpoint
+_NEVER_SLIM = {
+    "newest": "the newest complete checkpoint",
+    "best": "the best by --keep-best",
+    "trainer-best": "the Trainer's best_model_checkpoint",
+    "deepspeed-latest": "the save the DeepSpeed latest file names",
+    "megatron-latest": "the save latest_checkpointed_iteration.txt names",
+    "link-target": "a save a symlink points at",
+}
 
 
 def _plan_slims(run: RunReport, policy: PrunePolicy, decisions: list[PruneDecision]) -> None:
@@ -396,19 +401,30 @@ def _plan_slims(run: RunReport, policy: PrunePolicy, decisions: list[PruneDecisi
     by_name = {c.name: c for c in run.checkpoints}
     for d in decisions:
         c = by_name[d.name]
-        if d.action != "keep" or not c.complete or c.slim or c.symlink or c.name in young:
+        if d.action != "keep" or not c.complete or c.name in young:
             continue
-        if any(m in c.markers for m in _NEVER_SLIM) or "modified in the last" in d.rule:
-            continue
-        action = slim_plan(c.path)
-        if action is None:
-            continue
-        d.action = "slim"
-        d.slim = action
-        d.rule = (
-            f"--slim-older-than {policy.slim_older_than}: drop "
-            f"{', '.join(action.components)}; kept by {d.rule}"
-        )
+        # an older save kept whole says why, as a kept one names its rules: a run whose saves
+        # hold nothing to slim printed the plain keep table, and nothing was slimmed
+        never = [m for m in _NEVER_SLIM if m in c.markers]
+        if c.slim:
+            d.not_slimmed = "already slimmed (weights only)"
+        elif c.symlink:
+            d.not_slimmed = "a symlink (slimming never goes through a link)"
+        elif never:
+            d.not_slimmed = f"{_NEVER_SLIM[never[0]]} is never slimmed"
+        elif "modified in the last" in d.rule:
+            d.not_slimmed = "modified in the last " + d.rule.partition("modified in the last ")[2]
+        else:
+            action = slim_plan(c.path)
+            if isinstance(action, str):
+                d.not_slimmed = action
+                continue
+            d.action = "slim"
+            d.slim = action
+            d.rule = (
+                f"--slim-older-than {policy.slim_older_than}: drop "
+                f"{', '.join(action.components)}; kept by {d.rule}"
+            )
 
 
 def _unsettled(c: RunCheckpoint, policy: PrunePolicy) -> bool:

@@ -76,6 +76,8 @@ class SlimAction(Record):
         prefixes: for `rewrite`: the entry-name prefixes dropped.
         bytes: bytes it frees (for a rewrite, the bytes of the dropped entries: an estimate
             until it is done, then the measured difference).
+        kept: resume state slimming leaves, each with why (a DeepSpeed save's optimizer, in
+            ZeRO partitions that hold the fp32 weights too).
     """
 
     how: Literal["remove", "rewrite"]
@@ -85,28 +87,30 @@ class SlimAction(Record):
     files: list[str] = Field(default_factory=list)
     prefixes: list[str] = Field(default_factory=list)
     bytes: int = 0
+    kept: list[str] = Field(default_factory=list)
 
 
-def slim_plan(path: str | Path) -> SlimAction | None:
-    """What slimming the checkpoint at `path` would remove, or None when there is nothing."""
+def slim_plan(path: str | Path) -> SlimAction | str:
+    """What slimming the checkpoint at `path` would remove, or, when there is nothing, why
+    (a phrase: `it holds no optimizer, RNG or data-loader state`)."""
     from ...sources.layouts import CompositeCheckpoint
     from ...sources.opening import open_source
 
     target = Path(path)
     try:
         opened = open_source(str(target))
-    except CkptError:
-        return None
+    except CkptError as exc:
+        return f"it could not be read ({exc.stated})"
     with opened.checkpoint as checkpoint:
         training = opened.training
         if training is None:
-            return None
+            return f"it holds no training state ({checkpoint.manifest.format} weights only)"
         named = list(training.prefixes)
         if isinstance(checkpoint, CompositeCheckpoint):
             named += [c for c in checkpoint.components if c not in named]
         dropped = [c for c in named if is_dropped(c)]
         if not dropped:
-            return None
+            return "it holds no optimizer, RNG or data-loader state"
         if isinstance(checkpoint, CompositeCheckpoint):
             files: list[str] = []
             size = 0
@@ -118,22 +122,49 @@ def slim_plan(path: str | Path) -> SlimAction | None:
                     if rel is not None and rel not in files:
                         files.append(rel)
                         size += (target / rel).stat().st_size
+            # a component named by its place in another one (`rng` in `rng_0.`, a DeepSpeed
+            # optimizer in its ZeRO partitions) goes with that one, or stays with it
+            removed = set(dropped) & set(checkpoint.components)
+            holder = {
+                c: training.prefixes[c].partition(".")[0]
+                for c in dropped
+                if c not in removed and c in training.prefixes
+            }
+            gone = [c for c in dropped if c in removed or holder.get(c) in removed]
+            kept = []
+            for c in dropped:
+                if c not in gone:
+                    where = training.components.get(c) or training.components.get(holder.get(c, c))
+                    if where is None:
+                        kept.append(f"{c} is inside a file slimming keeps")
+                    else:
+                        they = "they hold" if ", " in where else "it holds"
+                        kept.append(f"{c} is in {where} (kept: {they} the weights too)")
             if not files:
-                return None
+                return f"its {'; its '.join(kept)}" if kept else "no file holds resume state alone"
             return SlimAction(
-                how="remove", target=str(target), components=dropped, files=files, bytes=size
+                how="remove",
+                target=str(target),
+                components=gone,
+                files=files,
+                bytes=size,
+                kept=kept,
             )
         fmt = find_format(checkpoint.manifest.format)
         if target.is_dir() and fmt is not None and fmt.holds_objects and not fmt.folder:
             # a folder holding one training-state file (`step-N/state.pt`): that file is
             # rewritten
             if len(checkpoint.manifest.files) != 1:
-                return None
+                return (
+                    f"its {', '.join(dropped)} state is in a folder of "
+                    f"{len(checkpoint.manifest.files)} {checkpoint.manifest.format} files "
+                    "(slimming rewrites a single file)"
+                )
             target = target / checkpoint.manifest.files[0].path
         prefixes = [training.prefixes[c] for c in dropped if c in training.prefixes]
         entries = [e for e in checkpoint.manifest.entries if e.name.startswith(tuple(prefixes))]
         if not entries:
-            return None
+            return f"its {', '.join(dropped)} state holds no entry"
         return SlimAction(
             how="rewrite",
             target=str(target),

@@ -242,19 +242,21 @@ def nothing_to_dequantize(
     )
 
 
-def metadata_aliases(manifest: Manifest) -> dict[str, str]:
+def metadata_aliases(
+    manifest: Manifest, metadata: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Names the source stored once and recorded as another tensor in its string metadata
     (alias -> kept): safetensors cannot share storage, so ckpt's `convert`,
     `safetensors.torch.save_model` and huggingface_hub write `{"lm_head.weight":
     "transformer.wte.weight"}` into `__metadata__`. A key that names no tensor while its
-    value does is such a record."""
-    if not manifest.metadata:
+    value does is such a record. `metadata` is the string metadata to read (one shard's),
+    by default the manifest's."""
+    metadata = manifest.metadata if metadata is None else metadata
+    if not metadata:
         return {}
     tensors = {e.name for e in manifest.entries if e.kind == "tensor"}
     return {
-        name: kept
-        for name, kept in manifest.metadata.items()
-        if name not in tensors and kept in tensors
+        name: kept for name, kept in metadata.items() if name not in tensors and kept in tensors
     }
 
 

@@ -136,7 +136,7 @@ class DeepSpeed(Layout):
             # folder, and beside them the Trainer's per-rank RNG and `trainer_state.json`
             # the Trainer's per-process RNG files, as many as the save's files say processes
             # saved it (`missing_rank_states`: its ZeRO partitions, their own names)
-            from .trainer import Trainer
+            from .trainer import Trainer, foreign_trainer_state
 
             root, trainer = Folder(source), Trainer()
             folder.add_many(
@@ -152,6 +152,9 @@ class DeepSpeed(Layout):
             folder.problems.extend(missing_rank_states(source, root, trainer, every_save=written))
             if "trainer_state.json" in top:
                 folder.add("trainer_state", "trainer_state.json", "json", root=True)
+                # its global_step against the folder's name and the tag `latest` names: a
+                # folder put together from two saves resumes one save's engine at another's step
+                folder.problems.extend(foreign_trainer_state(source, root))
             folder.list_training_args(root=True)
         from .zero import zero_partitions
 

@@ -119,7 +119,7 @@ class Trainer(Layout):
         weights and optimizer, before the `trainer_state.json` it writes last, so one missing
         beside that file was lost (or its process died), not still being written; and a
         `trainer_state.json` whose `global_step` is not the one the folder is named after
-        (`_foreign_trainer_state`)."""
+        (`foreign_trainer_state`)."""
         return (
             _lost_weights(source, folder)
             + _trainer_missing(source, folder)
@@ -132,7 +132,7 @@ class Trainer(Layout):
                 self,
                 every_save=_deepspeed(source) and folder.has("trainer_state.json"),
             )
-            + _foreign_trainer_state(source, folder)
+            + foreign_trainer_state(source, folder)
         )
 
     def unknown_state(self, source: Source, folder: Folder) -> str | None:
@@ -470,14 +470,19 @@ def _unknown_trainer_state_keys(doc: dict[str, Any]) -> list[str]:
     return unknown
 
 
-def _foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
+def foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
     """The Trainer names each checkpoint after the `global_step` its `trainer_state.json`
     records (`checkpoint-{global_step}`), and `resume_from_checkpoint` restarts at that step,
     skipping that many batches, with the optimizer and scheduler of the folder's files: a
     `checkpoint-N` whose file records another step holds another save's file (or the folder
     was renamed), and no resume from it is the run it continues. A `global_step` that is no
     count of steps (`"ten"`, -1), in any Trainer save, is no resume at all. A file that does not
-    parse is the component check's to report."""
+    parse is the component check's to report.
+
+    Under DeepSpeed (`global_stepN/` and `latest` beside the Trainer's files) the Trainer
+    saves its engine under the tag `global_step{global_step}`, and resumes it with
+    `engine.load_checkpoint`, which follows `latest`: a tag of another step is another save's
+    optimizer, scheduler and weights, resumed at this file's step."""
     import json
 
     name = source.location.raw.rstrip("/").rsplit("/", 1)[-1]
@@ -537,18 +542,53 @@ def _foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
                 "RUN_DIR` names the newest whole one).",
             )
         ]
-    if match is None or not isinstance(step, int) or step == int(match.group(1)):
+    if not isinstance(step, int):
         return []
-    return [
-        Problem(
-            code="trainer_state_mismatch",
-            message=f"records global_step {step}, but the Trainer names a checkpoint after its "
-            f"global_step and this one is {name}: the file is another save's (or the folder "
-            f"was renamed), and `resume_from_checkpoint` would restart at step {step} with "
-            "this folder's optimizer and scheduler state",
-            file=source.storage.describe(rel),
-            fix="Put back the trainer_state.json written with this save (from a copy of the "
-            "checkpoint), or resume from another checkpoint of the run (`ckpt latest RUN_DIR` "
-            "names the newest whole one).",
+    problems = []
+    if match is not None and step != int(match.group(1)):
+        problems.append(
+            Problem(
+                code="trainer_state_mismatch",
+                message=f"records global_step {step}, but the Trainer names a checkpoint after "
+                f"its global_step and this one is {name}: the file is another save's (or the "
+                f"folder was renamed), and `resume_from_checkpoint` would restart at step {step} "
+                "with this folder's optimizer and scheduler state",
+                file=source.storage.describe(rel),
+                fix="Put back the trainer_state.json written with this save (from a copy of the "
+                "checkpoint), or resume from another checkpoint of the run (`ckpt latest "
+                "RUN_DIR` names the newest whole one).",
+            )
         )
-    ]
+    deepspeed_tag = _latest_tag(source, folder) if _deepspeed(source) else None
+    tagged = _DEEPSPEED_TAG.fullmatch(deepspeed_tag) if deepspeed_tag is not None else None
+    if tagged is not None and step != int(tagged.group(1)):
+        problems.append(
+            Problem(
+                code="trainer_state_mismatch",
+                message=f"records global_step {step}, but DeepSpeed's `latest` names "
+                f"{deepspeed_tag}, the tag the Trainer saves at global_step "
+                f"{tagged.group(1)}: the two are different saves' files (a folder put together "
+                f"from two saves), and `resume_from_checkpoint` would restart at step {step} "
+                f"with the weights, optimizer and scheduler DeepSpeed saved at step "
+                f"{tagged.group(1)} (`engine.load_checkpoint` follows `latest`)",
+                file=source.storage.describe(rel),
+                fix="Put back the trainer_state.json, `latest` and global_stepN/ written with "
+                "this save (from a copy of the checkpoint), or resume from another checkpoint "
+                "of the run (`ckpt latest RUN_DIR` names the newest whole one).",
+            )
+        )
+    return problems
+
+
+#: the tag the Trainer saves a DeepSpeed engine under (`global_step{global_step}`)
+_DEEPSPEED_TAG = re.compile(r"global_step(\d+)")
+
+
+def _latest_tag(source: Source, folder: Folder) -> str | None:
+    """The tag DeepSpeed's `latest` file names (a few bytes read), None without one."""
+    if not folder.has("latest"):
+        return None
+    rel = folder.rel("latest")
+    # a tag name is short: never more than a few KB of whatever `latest` holds
+    data = source.storage.read(rel, 0, min(source.storage.size(rel), 4096))
+    return data.decode("utf-8", "replace").strip()
