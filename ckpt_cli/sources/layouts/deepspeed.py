@@ -179,7 +179,7 @@ class DeepSpeed(Layout):
         ):
             state.components.setdefault(
                 "optimizer",
-                ", ".join(rel for rel in folder.used if rel.endswith("optim_states.pt")),
+                ", ".join(sorted(rel for rel in folder.used if rel.endswith("optim_states.pt"))),
             )
         step = value_of(checkpoint, "model_states.global_steps")
         if isinstance(step, int):
