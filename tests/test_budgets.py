@@ -512,6 +512,23 @@ def test_truncations_of_a_real_torch_file_are_exit_4(tmp_path: Path) -> None:
         assert_refused(ckpt_limited("verify", bad, "--deep"), bad, exit_code=1)
 
 
+@pytest.mark.slow
+def test_verify_deep_checks_the_records_of_a_torch_file_of_20_000_tensors_in_linear_time(
+    tmp_path: Path,
+) -> None:
+    # 0.1.x matched every record torch's reader lists against every record of the zip
+    # directory: an optimizer.pt of 10,000 tensors took 30 CPU-s more, 20,000 past a minute
+    # (killed here by RLIMIT_CPU), a crafted 20 MB file of 200,000 empty records hours
+    state = {f"state.{i}.exp_avg": torch.full((2,), float(i)) for i in range(20_000)}
+    path = tmp_path / "optimizer.pt"
+    torch.save(state, path)
+    run = ckpt_limited("verify", path, "--deep", "--json")
+    assert run.exit_code == 0, run.stdout + run.stderr
+    assert run.json["result"]["ok"] is True
+    assert run.cpu_s < CPU_LIMIT
+    assert torch.equal(torch.load(path)["state.19999.exp_avg"], torch.full((2,), 19999.0))
+
+
 # -- calls torch's weights_only loader admits that allocate by a size ----------------------------
 
 #: torch.save's legacy (non-zip) header: magic number, protocol version, system info

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ckpt_cli.formats import get_format, open_checkpoint
@@ -18,6 +20,8 @@ from ckpt_cli.formats.details import (
     SafetensorsDetails,
     TorchDetails,
 )
+
+from .conftest import run_ckpt, run_ckpt_process
 
 
 def _formats() -> list[type[Format]]:
@@ -54,6 +58,27 @@ def test_safetensors_index_facts_are_typed_and_the_json_keeps_its_keys(tmp_path:
         # the JSON keeps exactly the keys the reader set (nothing unset appears as null)
         assert set(manifest.details) == {"sharded", "index", "weight_map_size", "total_size"}
         assert TorchDetails.of(manifest) is None and DcpDetails.of(manifest) is None
+
+
+def test_an_index_total_size_that_is_no_byte_count_is_left_out_of_inspect(
+    tmp_path: Path,
+) -> None:
+    # `inspect --json` printed `"total_size": "big"` (the schema says an integer) and pydantic's
+    # serializer warnings on stderr; verify names the flaw, inspect shows no size
+    folder = _sharded_safetensors(tmp_path / "model")
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["metadata"]["total_size"] = "big"
+    index_path.write_text(json.dumps(index))
+    result = run_ckpt_process("inspect", folder, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "Pydantic" not in result.stderr and "Warning" not in result.stderr, result.stderr
+    details = json.loads(result.stdout)["result"]["details"]
+    assert details == {"sharded": True, "index": index_path.name, "weight_map_size": 4}
+    verify = run_ckpt("verify", folder, "--json")
+    assert [p["code"] for p in verify.json["result"]["problems"]] == ["bad_index"]
+    with safe_open(str(folder / "model-00001-of-00002.safetensors"), "pt") as shard:
+        assert torch.equal(shard.get_tensor("layers.0.weight"), torch.full((64, 64), 0.0))
 
 
 def test_torch_ties_and_dcp_facts_are_typed(tmp_path: Path) -> None:

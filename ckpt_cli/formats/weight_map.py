@@ -362,6 +362,15 @@ def check_index(
     _check_total_size(findings, index_where, weight_map, index_meta, shards)
 
 
+def declared_total_size(index_meta: dict[str, Any]) -> int | None:
+    """The index's `metadata.total_size` when it is a byte count (a non-negative integer), else
+    None: a string or a list there is no size to report (`check_index` flags it)."""
+    total = index_meta.get("total_size")
+    if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+        return None
+    return total
+
+
 def _check_total_size(
     findings: Findings,
     index_where: str,
@@ -372,7 +381,7 @@ def _check_total_size(
     total = index_meta.get("total_size")
     if total is None:
         return
-    if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+    if declared_total_size(index_meta) is None:
         findings.add(
             "bad_index",
             f"has metadata.total_size {total!r}, which is not a byte count",

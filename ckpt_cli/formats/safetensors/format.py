@@ -29,6 +29,7 @@ from ..weight_map import (
     ShardContents,
     check_duplicates,
     check_index,
+    declared_total_size,
     find_index,
     missing_numbered_shards,
     read_index,
@@ -416,8 +417,9 @@ class SafetensorsCheckpoint(Checkpoint):
         if index_rel is not None:
             details.index = index_rel
             details.weight_map_size = len(weight_map or {})
-            if "total_size" in index_meta:
-                details.total_size = index_meta["total_size"]
+            total_size = declared_total_size(index_meta)
+            if total_size is not None:  # a string there is no size (verify flags it)
+                details.total_size = total_size
         manifest = Manifest(
             format="safetensors",
             location=source.location.raw,

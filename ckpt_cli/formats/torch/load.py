@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, ClassVar
+from typing import IO, Any, ClassVar, TypeVar
 
 from ...errors import CkptError, FormatError, UnsafeInputError
 from ...storage import Storage, StorageRangeFile
@@ -414,6 +414,47 @@ def _first_line(text: str, after: str | None = None) -> str:
 CHECKED_RECORD_BYTES = 1 << 20
 
 
+_V = TypeVar("_V")
+
+
+def _records_named(names: list[str], records: dict[str, _V]) -> dict[str, list[_V]]:
+    """For each of `names` (records as torch's reader lists them, without the archive's
+    folder), the values of `records` (by zip name) whose name is it or ends with "/" and it.
+
+    In time linear in the names' bytes: each zip name is walked from its last "/"-separated
+    part back, in a tree of the listed names' parts (last part first), only as far as some
+    listed name ends the same way; comparing every name with every zip name took minutes for
+    a torch.save of 10,000 tensors.
+    """
+    root = _Suffix()
+    ends: dict[str, _Suffix] = {}
+    for name in names:
+        node = root
+        for part in reversed(name.split("/")):
+            node = node.children.setdefault(part, _Suffix())
+        ends[name] = node
+    found: dict[int, list[_V]] = {id(node): [] for node in ends.values()}
+    for key, value in records.items():
+        node = root
+        for part in reversed(key.split("/")):
+            child = node.children.get(part)
+            if child is None:
+                break
+            node = child
+            if id(node) in found:
+                found[id(node)].append(value)
+    return {name: found[id(node)] for name, node in ends.items()}
+
+
+class _Suffix:
+    """A node of `_records_named`'s tree: the parts that may come before the ones walked."""
+
+    __slots__ = ("children",)
+
+    def __init__(self) -> None:
+        self.children: dict[str, _Suffix] = {}
+
+
 def torch_reader_damage(file: IO[bytes]) -> str | None:
     """Why torch's own zip reader (miniz, what `torch.load` and `dcp.load` read a torch.save
     archive with) refuses or misreads the archive `file` (seekable), or None.
@@ -451,8 +492,10 @@ def torch_reader_damage(file: IO[bytes]) -> str | None:
         file.seek(0)
         # `get_record_offset` is torch's own (torch.load uses it) but missing from its stubs
         reader: Any = torch._C.PyTorchFileReader(file)
-        for name in reader.get_all_records():
-            found = [v for k, v in records.items() if k.endswith("/" + name) or k == name]
+        names = reader.get_all_records()
+        holding = _records_named(names, records)
+        for name in names:
+            found = holding[name]
             if len(found) != 1:
                 return f"torch reads a record {name!r} the zip directory does not hold once"
             info, start = found[0]

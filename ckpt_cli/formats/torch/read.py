@@ -21,6 +21,7 @@ from ...storage import Storage
 from ...storage.fileio import FileRange
 from ..base import NAMES_FIX, Checkpoint, RecordedDamage, Source
 from ..details import TorchDetails
+from ..weight_map import declared_total_size
 
 if TYPE_CHECKING:
     import torch
@@ -194,8 +195,9 @@ class TorchCheckpoint(Checkpoint):
             files.insert(0, FileInfo(path=index_rel, size=storage.size(index_rel), entries=0))
             details.index = index_rel
             details.weight_map_size = len(weight_map or {})
-            if "total_size" in index_meta:
-                details.total_size = index_meta["total_size"]
+            total_size = declared_total_size(index_meta)
+            if total_size is not None:  # a string there is no size (verify flags it)
+                details.total_size = total_size
             missing = sorted(set(weight_map or {}) - set(leaves))
             if missing:
                 raise FormatError(
