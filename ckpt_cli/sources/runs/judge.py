@@ -743,7 +743,7 @@ def _megatron_problem(folder: str, files: Mapping[str, int]) -> str | None:
     reads `metadata.json` first. None for a legacy save (`mp_rank_*/model_optim_rng.pt`)."""
     start = f"{folder}/"
     top = {rel[len(start) :] for rel in files if rel.startswith(start)}
-    torch_dist = "common.pt" in top or ".metadata" in top or any(n.endswith(".distcp") for n in top)
+    torch_dist = "common.pt" in top or holds_dcp(top)
     if not torch_dist or "metadata.json" in top:
         return None
     return (
