@@ -547,37 +547,43 @@ def foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
     problems = []
     if match is not None and step != int(match.group(1)):
         problems.append(
-            Problem(
-                code="trainer_state_mismatch",
-                message=f"records global_step {step}, but the Trainer names a checkpoint after "
+            _mismatch(
+                source.storage.describe(rel),
+                f"records global_step {step}, but the Trainer names a checkpoint after "
                 f"its global_step and this one is {name}: the file is another save's (or the "
                 f"folder was renamed), and `resume_from_checkpoint` would restart at step {step} "
                 "with this folder's optimizer and scheduler state",
-                file=source.storage.describe(rel),
-                fix="Put back the trainer_state.json written with this save (from a copy of the "
-                "checkpoint), or resume from another checkpoint of the run (`ckpt latest "
-                "RUN_DIR` names the newest whole one).",
+                "the trainer_state.json",
             )
         )
     deepspeed_tag = _latest_tag(source, folder) if _deepspeed(source) else None
     tagged = _DEEPSPEED_TAG.fullmatch(deepspeed_tag) if deepspeed_tag is not None else None
     if tagged is not None and step != int(tagged.group(1)):
         problems.append(
-            Problem(
-                code="trainer_state_mismatch",
-                message=f"records global_step {step}, but DeepSpeed's `latest` names "
+            _mismatch(
+                source.storage.describe(rel),
+                f"records global_step {step}, but DeepSpeed's `latest` names "
                 f"{deepspeed_tag}, the tag the Trainer saves at global_step "
                 f"{tagged.group(1)}: the two are different saves' files (a folder put together "
                 f"from two saves), and `resume_from_checkpoint` would restart at step {step} "
                 f"with the weights, optimizer and scheduler DeepSpeed saved at step "
                 f"{tagged.group(1)} (`engine.load_checkpoint` follows `latest`)",
-                file=source.storage.describe(rel),
-                fix="Put back the trainer_state.json, `latest` and global_stepN/ written with "
-                "this save (from a copy of the checkpoint), or resume from another checkpoint "
-                "of the run (`ckpt latest RUN_DIR` names the newest whole one).",
+                "the trainer_state.json, `latest` and global_stepN/",
             )
         )
     return problems
+
+
+def _mismatch(file: str, message: str, put_back: str) -> Problem:
+    """A `trainer_state_mismatch` of `file`: its fix puts back `put_back` of the same save."""
+    return Problem(
+        code="trainer_state_mismatch",
+        message=message,
+        file=file,
+        fix=f"Put back {put_back} written with this save (from a copy of the checkpoint), or "
+        "resume from another checkpoint of the run (`ckpt latest RUN_DIR` names the newest "
+        "whole one).",
+    )
 
 
 #: the tag the Trainer saves a DeepSpeed engine under (`global_step{global_step}`)
