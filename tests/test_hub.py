@@ -498,3 +498,24 @@ def test_refusals_to_write_the_hub_name_hf_commands_that_exist(
         words = named.group(1).split()
         help_run = subprocess.run([hf, *words, "--help"], capture_output=True, text=True)
         assert help_run.returncode == 0, f"`hf {' '.join(words)}` does not exist: {fix}"
+
+
+@pytest.mark.usefixtures("_short_waits")
+def test_a_shard_that_keeps_failing_is_asked_a_bounded_number_of_times_not_twice_that(
+    hub: TestHub, tmp_path: Path
+) -> None:
+    """A shard whose every read answers 500: its header, fetched ahead with its siblings', fails
+    after the Hub's bounded tries, and `inspect` reports that failure. It does not ask the same
+    bounded number of times again when the reader comes to the shard."""
+    from ckpt_cli.storage.hub_repo import HUB_RETRIES
+
+    publish_model(hub, "org/bad", tmp_path / "src", layered_state(), max_shard_size=SHARD_LIMIT)
+    shards = sorted(p.name for p in (tmp_path / "src").glob("*.safetensors"))
+    assert len(shards) > 1
+    hub.fail(rf"/{shards[1]}$", 500, times=1000)
+    result = run_ckpt("inspect", "hf://org/bad", "--json")
+    assert result.exit_code == 5, result.stdout
+    error = result.json["error"]
+    assert error["path"].endswith(shards[1]) and "HTTP 500" in error["problem"]
+    asked = [r for r in hub.log if r.path.endswith(shards[1]) and r.status == 500]
+    assert len(asked) == HUB_RETRIES + 1

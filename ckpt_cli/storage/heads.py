@@ -16,7 +16,9 @@ head as it lands instead of waiting, in its own order, behind one slow request.
 
 Memory: the heads held (fetched, not yet taken) stay within `budget` bytes, and no head is
 longer than `limit`: a file whose header would overrun either is left to the reader's own
-reads, one at a time. A failed fetch is forgotten too: the reader's own read then reports it.
+reads, one at a time. A failed fetch is handed over as its failure: the fetch made the storage's
+bounded tries already, and the reader's own read would only make them all again (a shard
+answering 500 was asked twice the bounded number of times, and the command waited twice).
 """
 
 from __future__ import annotations
@@ -114,12 +116,19 @@ class HeadCache:
             return rel in self._pending
 
     def peek(self, rel: str) -> bytes | None:
-        """The head of `rel` (waiting for it), kept for `take`; None if none was fetched."""
+        """The head of `rel` (waiting for it), kept for `take`; None if none was fetched.
+
+        Raises what the fetch raised (the file is forgotten: a later read asks again)."""
         with self._lock:
             future = self._pending.get(rel)
         if future is None:
             return None
-        head = future.result()
+        try:
+            head = future.result()
+        except BaseException:
+            with self._lock:
+                self._pending.pop(rel, None)
+            raise
         if head is None:
             with self._lock:
                 self._pending.pop(rel, None)
@@ -142,7 +151,9 @@ class HeadCache:
             yield waiting[future]
 
     def take(self, rel: str) -> bytes | None:
-        """The head of `rel`, handed over once (waiting for it); None if none was fetched."""
+        """The head of `rel`, handed over once (waiting for it); None if none was fetched.
+
+        Raises what the fetch raised, once."""
         head = self.peek(rel)
         with self._lock:
             if self._pending.pop(rel, None) is not None and head is not None:
@@ -180,9 +191,9 @@ class HeadCache:
             return None
         try:
             head = self._fetch(rel, 0, first)
-        except Exception:
+        except BaseException:
             self._release(first)
-            return None  # the reader's own read reports it
+            raise  # handed to the reader by `take`
         if len(head) < 8 or first >= size:  # too short for a length, or the whole file
             return self._settle(head, first)
         (length,) = struct.unpack("<Q", head[:8])
@@ -197,9 +208,9 @@ class HeadCache:
             return self._settle(head, first)
         try:
             rest = self._fetch(rel, len(head), whole)
-        except Exception:
-            self._release(whole - len(head))
-            return self._settle(head, first)
+        except BaseException:
+            self._release(first + whole - len(head))
+            raise
         return self._settle(head + rest, first + whole - len(head))
 
     def _settle(self, head: bytes, reserved: int) -> bytes:
