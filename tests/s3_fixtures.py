@@ -25,6 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# fsspec reads the FSSPEC_<PROTOCOL>_<OPTION> variables into its config once, when it is first
+# imported: first imported in a test that points S3 at a dead endpoint (FSSPEC_S3_ENDPOINT_URL),
+# every later test of the worker would talk to that endpoint, its own server's variables
+# unread. Imported here, before any test sets them, its config is the clean environment's.
+import fsspec  # noqa: F401
 import pytest
 
 
