@@ -133,6 +133,13 @@ class CorruptDataError(FormatError):
     code = "corrupt_data"
 
 
+class MissingRanksError(FormatError):
+    """A legacy Megatron-LM save (`iter_N/mp_rank_*/`) that lacks rank folders its args call
+    for (exit 4; `verify` reports it as a problem, exit 1)."""
+
+    code = "missing_rank_folder"
+
+
 class DestinationExistsError(UsageError):
     """An output that exists already and `--force` was not given (exit 2)."""
 

@@ -81,6 +81,13 @@ CODES: dict[str, Code] = _codes(
     Code("internal", _E, "a bug in ckpt", raised=True),
     Code("interrupted", _E, "interrupted by the user; partial outputs were removed", raised=True),
     Code("io_error", _E, "the operating system refused a read or a write", raised=True),
+    Code(
+        "missing_rank_folder",
+        _E,
+        "a legacy Megatron-LM save (`iter_N/mp_rank_*/`) lacks rank folders its args call for "
+        "(exit 4; an error of `verify`)",
+        raised=True,
+    ),
     Code("no_checkpoint", _E, "a folder that exists and holds no checkpoint (exit 3)", raised=True),
     Code("not_found", _E, "a path, tensor, repository or revision does not exist", raised=True),
     Code("problems_found", _E, "the command finished and found problems (exit 1)", raised=True),

@@ -48,10 +48,18 @@ def format_of(source: Source, format: str | None = None) -> str:
     """The format token to read `source` as (`formats.choose_format`: `format`, else the one
     detected). A folder whose checkpoints are all in subfolders is refused first, as a usage
     error naming what to pass instead, in the words `latest` and `prune` use (a run folder, a
-    folder of runs, a folder of saves such as `final/` and `best/`)."""
+    folder of runs, a folder of saves such as `final/` and `best/`); a legacy Megatron-LM save
+    that lacks rank folders (`iter_N/mp_rank_*/`), as the incomplete save it is (exit 4)."""
     if (format is None or format in STORAGE_NAMES) and holds_only_nested_checkpoints(source):
+        from .layouts.megatron_legacy import refuse_missing_ranks
+        from .runs.judge import megatron_missing_ranks
         from .runs.naming import refuse_parent_folder
 
+        # a legacy Megatron-LM save (`iter_N/mp_rank_*/`) that lost rank folders is refused
+        # as such: naming one of the rank folders left would read part of the weights
+        refuse_missing_ranks(
+            source.location.raw, megatron_missing_ranks(source.storage, "", source.files)
+        )
         refuse_parent_folder(source.location.raw, source.files)
     return choose_format(source, format)
 

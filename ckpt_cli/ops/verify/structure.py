@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from ...errors import CkptError
+from ...errors import CkptError, MissingRanksError
 from ...findings import problem_from_error
 from ...formats import get_format
 from ...formats.base import Source
@@ -18,6 +18,7 @@ from ...sources.opening import (
     recognise_layout,
     single_layout_missing,
 )
+from ...sources.runs.naming import MEGATRON
 
 
 def structural_errors(source: Source) -> list[Problem]:
@@ -45,7 +46,12 @@ def structure_checks(
         training = opened.training
         name = training.layout if training else opened.checkpoint.manifest.format
         return name, source, ProblemList(check_source(source, opened=opened))
-    name = format_of(source, format)
+    try:
+        name = format_of(source, format)
+    except MissingRanksError as error:
+        # a legacy Megatron-LM save that lost rank folders: a finding (exit 1), as a missing
+        # shard is, where inspect and convert refuse it
+        return MEGATRON, source, ProblemList([problem_from_error(error)])
     fmt = get_format(name)
     # SRC named the .metadata or one .distcp file: the checkpoint is the folder
     source = fmt.checkpoint_source(source)

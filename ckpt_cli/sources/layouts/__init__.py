@@ -35,7 +35,8 @@ in that order from `SINGLE_LAYOUTS`) tell themselves apart by the keys of the on
 checkpoint; `composite` builds the one-checkpoint view of a folder (its typed details:
 `details.CompositeDetails`); `training` holds the optimizer / scheduler / RNG / data-loader
 analysis and the resumable / exact verdict; `ranks` what a multi-process save wrote and
-which rank's files it lost; `model_folders` the PEFT / diffusers / sentence-transformers / GGUF
+which rank's files it lost; `megatron_legacy` which rank folders a legacy Megatron-LM save
+(`iter_N/mp_rank_*/`) must hold; `model_folders` the PEFT / diffusers / sentence-transformers / GGUF
 descriptions.
 """
 

@@ -16,7 +16,7 @@ import json
 import math
 import re
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -38,6 +38,14 @@ from ...storage import (
 from ...storage.base import FolderView
 from ...storage.output import TMP_MARKER, staging_held
 from ...storage.uri import parse_location
+from ..layouts.megatron_legacy import (
+    SIZE_KEYS,
+    MissingRanks,
+    missing_ranks,
+    missing_ranks_text,
+    rank_file_to_read,
+    rank_folders,
+)
 from .naming import (
     MEGATRON,
     MEGATRON_TRACKER,
@@ -133,7 +141,7 @@ def judge_found(
     if problem is None and item.layout == "deepspeed" and item.is_dir:
         problem = _zero_partition_problem(run.storage, primary, files)
     if problem is None and item.layout == MEGATRON and item.is_dir:
-        problem = _megatron_problem(primary, files)
+        problem = _megatron_problem(run.storage, primary, files)
     note = unfinished = None
     if problem is None and item.is_dir:
         lost, unfinished, note = _layout_problem(run.storage, item, files, own, run_files, before)
@@ -736,15 +744,23 @@ def read_megatron_tracker(storage: Storage) -> int | str | None:
     return megatron_tracker(text)
 
 
-def _megatron_problem(folder: str, files: Mapping[str, int]) -> str | None:
-    """Why a Megatron-LM `torch_dist` save (a DCP with `common.pt`) has not finished:
-    megatron-core's `dist_checkpointing.save` writes `common.pt`, then the DCP, then
-    `metadata.json` last (its finalize step, after an async save's writes), and its `load`
-    reads `metadata.json` first. None for a legacy save (`mp_rank_*/model_optim_rng.pt`)."""
+def _megatron_problem(storage: Storage, folder: str, files: Mapping[str, int]) -> str | None:
+    """Why a Megatron-LM save has not finished or is not whole: a `torch_dist` save (a DCP
+    with `common.pt`) without `metadata.json` (megatron-core's `dist_checkpointing.save`
+    writes `common.pt`, then the DCP, then `metadata.json` last, its finalize step after an
+    async save's writes, and its `load` reads `metadata.json` first); a legacy save
+    (`mp_rank_*/model_optim_rng.pt`) that lacks rank folders its args call for
+    (`megatron_missing_ranks`)."""
     start = f"{folder}/"
-    top = {rel[len(start) :] for rel in files if rel.startswith(start)}
+    names = [rel[len(start) :] for rel in files if rel.startswith(start)]
+    top = set(names)
     torch_dist = "common.pt" in top or holds_dcp(top)
-    if not torch_dist or "metadata.json" in top:
+    if not torch_dist:
+        missing = megatron_missing_ranks(storage, folder, names)
+        if missing is None:
+            return None
+        return f"{missing_ranks_text(missing)}; restore them from the node that wrote them"
+    if "metadata.json" in top:
         return None
     return (
         "no metadata.json, which megatron-core's dist_checkpointing.save writes last "
@@ -752,8 +768,32 @@ def _megatron_problem(folder: str, files: Mapping[str, int]) -> str | None:
     )
 
 
+def megatron_missing_ranks(
+    storage: Storage, folder: str, names: Iterable[str]
+) -> MissingRanks | None:
+    """The rank folders a legacy Megatron-LM save lacks (`layouts.megatron_legacy`), the save
+    being `folder` of `storage` ("" for the storage itself) and `names` the paths inside it.
+    The parallel sizes come from the lowest rank's `model_optim_rng.pt` `args`, read by its
+    pickle opcodes (`model_states_ints`: nothing unpickled, no tensor data); one that cannot
+    be read leaves the numbering of the folders present to tell. None for no legacy save."""
+    listed = list(names)
+    folders = rank_folders(listed)
+    if not folders:
+        return None
+    sizes: dict[str, int] = {}
+    rank_file = rank_file_to_read(folders)
+    if rank_file is not None:
+        rel = f"{folder}/{rank_file}" if folder else rank_file
+        try:
+            sizes = model_states_ints(storage, rel, SIZE_KEYS)
+        except (zipfile.BadZipFile, OSError, CkptError) as exc:
+            no_verdict(exc)  # the store or the OS refused: no verdict on the file
+    return missing_ranks(listed, sizes)
+
+
 def model_states_ints(storage: Storage, rel: str, keys: frozenset[str]) -> dict[str, int]:
-    """The ints a DeepSpeed model states file (a torch.save zip) records under `keys`, read
+    """The ints a torch.save zip (a DeepSpeed model states file, a Megatron-LM rank's
+    `model_optim_rng.pt`) records under `keys`, read
     from its `data.pkl`'s opcodes (`pickle_scan.keyed_ints`): nothing unpickled, no torch, no
     tensor data. Raises what reading the zip raises (BadZipFile, OSError, CkptError)."""
     from ...formats.torch.pickle_scan import MAX_SCAN_BYTES, keyed_ints
