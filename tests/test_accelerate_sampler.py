@@ -218,6 +218,7 @@ def _save_state(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_a_sampler_pickle_that_would_run_code_runs_nothing(tmp_path: Path) -> None:
     """The stand-ins keep the calls the pickle asks for, and make none: a sampler whose epoch
     is a call of `os.system` is read (no epoch shown) and nothing runs."""
@@ -238,6 +239,7 @@ def test_a_sampler_pickle_that_would_run_code_runs_nothing(tmp_path: Path) -> No
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_sampler_of_a_dataset_held_in_memory_is_named_by_its_class(tmp_path: Path) -> None:
     """A sampler pickles the dataset it samples: one held in memory (a list of 2,000,000 rows)
     makes a pickle of megabytes, past what ckpt unpickles even with stand-ins. Its class is
