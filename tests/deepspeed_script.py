@@ -2,7 +2,7 @@
 and 3 for two steps each and save with `engine.save_checkpoint` (DeepSpeed's own writer).
 
 Usage:
-  torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding|--hf|--trainer|--tags]
+  torchrun --nproc-per-node 2 tests/deepspeed_script.py OUT_DIR [--nan-padding|--hf|--trainer|--tags|--no-latest]
   torchrun --nproc-per-node N tests/deepspeed_script.py OUT_DIR --trainer-resume CHECKPOINT
 writes OUT_DIR/zero1/, OUT_DIR/zero2/ and OUT_DIR/zero3/ (each: `latest`, `global_step2/`,
 zero_to_fp32.py), and OUT_DIR/zero3-subgroups/ (ZeRO-3 with `sub_group_size` 100: two
@@ -15,7 +15,9 @@ again after one real parameter element was set to NaN.
 
 With `--hf` it trains the suite's tiny Hugging Face Llama with ZeRO-3 instead (`_train_hf`);
 with `--trainer`, transformers' `Trainer` trains it with ZeRO-2 (`_train_trainer`); with `--tags`,
-OUT_DIR/tagged/ holds ZeRO-2 saves under tags of the script's own (`_train_tagged`).
+OUT_DIR/tagged/ holds ZeRO-2 saves under tags of the script's own (`_train_tagged`); with
+`--no-latest`, OUT_DIR/no-latest/ holds ZeRO-2 saves made with `save_latest=False`
+(`_train_without_latest`).
 """
 
 from __future__ import annotations
@@ -166,6 +168,19 @@ def _train_tagged(out: str) -> None:
         engine.save_checkpoint(out, tag=f"step_{step}")
 
 
+def _train_without_latest(out: str) -> None:
+    """ZeRO-2 of the tiny model for 3 steps, saved after each with
+    `engine.save_checkpoint(OUT, save_latest=False)`: OUT/global_step{1,2,3}/ and no `latest`
+    file (a script that names the tag it resumes from itself)."""
+    engine = engine_for(2)
+    for _ in range(3):
+        x = torch.randn(2, 16, dtype=torch.bfloat16)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        engine.save_checkpoint(out, save_latest=False)
+
+
 def _train_trainer(out: str, resume: str | None = None) -> None:
     """The suite's tiny Hugging Face Llama trained by transformers' `Trainer` with DeepSpeed
     ZeRO-2 in bf16 (its `deepspeed=` config, every value "auto" as the docs show) for 4 steps,
@@ -213,6 +228,8 @@ if __name__ == "__main__":
         _train_trainer(sys.argv[1], resume=sys.argv[3])
     elif "--tags" in sys.argv[2:]:
         _train_tagged(f"{sys.argv[1]}/tagged")
+    elif "--no-latest" in sys.argv[2:]:
+        _train_without_latest(f"{sys.argv[1]}/no-latest")
     elif "--nan-padding" in sys.argv[2:]:
         _train(3, f"{sys.argv[1]}/zero3", nan_padding=True)
     else:

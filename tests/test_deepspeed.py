@@ -894,3 +894,84 @@ def test_a_trainer_deepspeed_save_resharded_to_one_rank_resumes_in_the_trainer(
     state = json.loads((resumed / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["global_step"] == 6
     assert all(math.isfinite(row["loss"]) for row in state["log_history"] if "loss" in row)
+
+
+@pytest.fixture(scope="session")
+def no_latest_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ZeRO-2 saves made with `save_checkpoint(dir, save_latest=False)`: `global_step{1,2,3}/`
+    and no `latest` file."""
+    out = tmp_path_factory.mktemp("deepspeed-no-latest")
+    run_torchrun(SCRIPT, 2, out, "--no-latest", timeout=600)
+    return out / "no-latest"
+
+
+def test_saves_made_without_a_latest_file_are_complete_and_the_newest_is_named(
+    no_latest_run: Path, tmp_path: Path
+) -> None:
+    """A script that calls `save_checkpoint(dir, tag, save_latest=False)` and names the tag it
+    resumes from itself: DeepSpeed writes no `latest` file. Every tag folder is a whole save;
+    `latest` names the newest (a tag of the script's own with no step in its name, `final`,
+    went unlisted, so `latest` named an older save and `prune --keep-last 1` planned to
+    delete the newest), with the note that `load_checkpoint` then needs `tag=`. Where a
+    `latest` file is there, a save newer than the one it names is still unfinished."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from .run_fixtures import age
+
+    run = shutil.copytree(no_latest_run, tmp_path / "run")
+    assert not (run / "latest").exists()
+    assert sorted(p.name for p in run.glob("global_step*")) == [
+        "global_step1",
+        "global_step2",
+        "global_step3",
+    ]
+    age(run)
+    listing = run_ckpt("latest", run, "--json").json["result"]
+    assert {c["name"]: c["status"] for c in listing["checkpoints"]} == dict.fromkeys(
+        ("global_step1", "global_step2", "global_step3"), "complete"
+    )
+    assert listing["latest"] == str(run / "global_step3")
+    shown = run_ckpt("latest", run)
+    assert shown.stdout.strip() == str(run / "global_step3")
+    assert "no `latest` file in the run folder" in shown.stderr
+    assert "engine.load_checkpoint(dir, tag='global_step3')" in shown.stderr
+    verify = run_ckpt("verify", "--resumable", run / "global_step3")
+    assert verify.exit_code == 0, verify.stdout
+    # DeepSpeed's own reader takes the save by its tag (it has no `latest` to follow)
+    expected = {
+        k: v.contiguous()
+        for k, v in get_fp32_state_dict_from_zero_checkpoint(str(run), tag="global_step3").items()
+    }
+    out = tmp_path / "weights.safetensors"
+    converted = run_ckpt(
+        "convert", run / "global_step3", out, "--to", "safetensors", "--select", "model"
+    )
+    assert converted.exit_code == 0, converted.stderr
+    got = load_file(out)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+
+    # the last save under a tag of the script's own, with no step in its name
+    (run / "global_step3").rename(run / "final")
+    listing = run_ckpt("latest", run, "--json").json["result"]
+    steps = {c["name"]: (c["step"], c["status"]) for c in listing["checkpoints"]}
+    assert steps == {
+        "global_step1": (1, "complete"),
+        "global_step2": (2, "complete"),
+        "final": (3, "complete"),
+    }
+    assert listing["latest"] == str(run / "final")
+    assert "tag='final'" in run_ckpt("latest", run).stderr
+    plan = run_ckpt("prune", run, "--keep-last", "1", "--json").json["result"]
+    actions = {d["name"]: d["action"] for d in plan["decisions"]}
+    assert actions == {"global_step1": "delete", "global_step2": "delete", "final": "keep"}
+
+    # with a `latest` file, the saves newer than the one it names have not finished
+    (run / "final").rename(run / "global_step3")
+    (run / "latest").write_text("global_step2")
+    age(run)
+    listing = run_ckpt("latest", run, "--json").json["result"]
+    status = {c["name"]: c["status"] for c in listing["checkpoints"]}
+    assert status["global_step3"] == "incomplete" and status["global_step2"] == "complete"
+    assert listing["latest"] == str(run / "global_step2")
+    assert "no `latest` file" not in run_ckpt("latest", run).stderr

@@ -12,19 +12,31 @@ and the tensor rebuild functions, which it maps to `SavedTensorValue` records: n
 imported and nothing callable from the stream runs. A one-element tensor's value is decoded from
 its storage record in the zip; larger tensors and numpy arrays stay records without data, which
 the summary does not need. Anything else (any other global) is refused with `NotPlain`.
+
+An object a framework pickles whole (accelerate's `sampler.bin`: its `SeedableRandomSampler`
+itself, not a state dict) is read by `read_pickled_object` instead: every global is a stand-in
+that keeps its name and the state the pickle hands it, so the object's class and its plain
+attributes (a sampler's `epoch` and `initial_seed`) are read as data, and nothing of the class
+is imported or run.
 """
 
 from __future__ import annotations
 
 import io
+import pickletools
 import struct
 import zipfile
-from typing import Any
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ... import dtypes
 from ...budgets import BudgetedUnpickler, read_member
 from ...dtypes import STORAGE_DTYPES
-from ...errors import FormatError
+from ...errors import CkptError, FormatError
+
+if TYPE_CHECKING:
+    from ...storage.base import Storage
 
 #: the largest blob read here: the values a summary needs are a few KiB; a larger object
 #: entry is left to the data paths (`--deep`), which load it with torch
@@ -260,3 +272,160 @@ def load_plain_pickle(data: bytes, where: str | None = None) -> Any:
         raise
     except Exception as exc:  # truncated or corrupt: no value, never a crash
         raise NotPlain(f"unreadable ({type(exc).__name__})") from None
+
+
+#: the most distinct globals `read_pickled_object` makes stand-ins for (one class each): a
+#: sampler's pickle names a dozen
+_MAX_STANDS = 256
+#: a plain string attribute longer than this is not kept (a value to show, not a payload)
+_MAX_TEXT = 200
+
+
+@dataclass(frozen=True)
+class PickledObject:
+    """An object a torch.save file pickles whole, as far as it reads without its class.
+
+    Attributes:
+        cls: the class the pickle names for it (`accelerate.data_loader.SeedableRandomSampler`).
+        values: its attributes that are plain numbers, booleans, short strings or None, by
+            name (`epoch`, `initial_seed`).
+        objects: its attributes that are objects of other classes, by name -> that class
+            (`data_source` -> `torch.utils.data.dataset.TensorDataset`); never read further.
+    """
+
+    cls: str
+    values: dict[str, int | float | bool | str | None] = field(default_factory=dict)
+    objects: dict[str, str] = field(default_factory=dict)
+
+
+class _Stand:
+    """Any global of the pickle and what it builds: keeps the state BUILD hands it, runs
+    nothing (the class it stands for is never imported)."""
+
+    original: ClassVar[str] = ""
+    state: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Stand:
+        return _Stand()
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+class _ObjectUnpickler(BudgetedUnpickler):
+    """Plain containers as themselves, every other global a `_Stand` subclass of its name."""
+
+    def __init__(self, data: bytes, where: str | None):
+        super().__init__(data, where)
+        self._stands: dict[str, type[_Stand]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        # protocol 2 names Python 3's modules by their Python 2 names (`__builtin__`)
+        module, name = NAME_MAPPING.get((module, name), (module, name))
+        module = IMPORT_MAPPING.get(module, module)
+        plain = _PLAIN.get((module, name))
+        if plain is dict or plain is set or plain is frozenset or plain is _latin1_encode:
+            return plain
+        full = f"{module}.{name}"
+        stand = self._stands.get(full)
+        if stand is None:
+            if len(self._stands) >= _MAX_STANDS:
+                raise NotPlain(f"more than {_MAX_STANDS} globals")
+            stand = type("Stand", (_Stand,), {"original": full})
+            self._stands[full] = stand
+        return stand
+
+    def persistent_load(self, pid: Any) -> Any:
+        return None  # a storage record: its bytes are never read here
+
+
+#: the head of a pickle read for its class when the whole is over `MAX_BLOB_BYTES`
+_HEAD_BYTES = 4096
+
+
+def _head_class(head: bytes) -> str | None:
+    """The class of the object a protocol 2 pickle builds first, when it opens with it (the
+    way `torch.save` pickles a class instance: PROTO, GLOBAL, EMPTY_TUPLE, NEWOBJ), read from
+    the opcodes of its `head`; None for any other opening."""
+    wanted = ["PROTO", "GLOBAL", "EMPTY_TUPLE", "NEWOBJ"]
+    cls = None
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(head)):
+            if op.name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
+                continue
+            if op.name != wanted[0]:
+                return None
+            if op.name == "GLOBAL":
+                module, _, name = str(arg).partition(" ")
+                module, name = NAME_MAPPING.get((module, name), (module, name))
+                cls = f"{IMPORT_MAPPING.get(module, module)}.{name}"
+            wanted.pop(0)
+            if not wanted:
+                return cls
+    except (ValueError, EOFError):
+        return None
+    return None
+
+
+def _plain_attribute(value: Any) -> bool:
+    if value is None or type(value) in (int, float, bool):
+        return True
+    return type(value) is str and len(value) <= _MAX_TEXT
+
+
+def read_pickled_object(storage: Storage, rel: str) -> PickledObject | None:
+    """The class and plain attributes of the object the torch.save file `rel` of `storage`
+    pickles whole (`PickledObject`), read from its `data.pkl` (at most `MAX_BLOB_BYTES`; the
+    storage records are never read) with every global a stand-in: nothing is imported or run.
+
+    None when the file holds no object of a class (plain data, which torch's weights_only
+    loader reads), is no torch.save zip, or does not read within the budgets; the torch
+    format's own reader then says what it is."""
+    from ...storage.base import StorageRangeFile
+
+    where = storage.describe(rel)
+    try:
+        with zipfile.ZipFile(StorageRangeFile(storage, rel)) as archive:
+            names = [n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+            if len(names) != 1:
+                return None
+            info = archive.getinfo(names[0])
+            if info.file_size > MAX_BLOB_BYTES:
+                # an object pickled with a large payload (a dataset held in memory): its
+                # class from the head of the pickle, its attributes left unread
+                with archive.open(info) as member:
+                    cls = _head_class(member.read(_HEAD_BYTES))
+                return PickledObject(cls=cls) if cls is not None else None
+            data = read_member(archive, names[0], MAX_BLOB_BYTES, where)
+        root = _ObjectUnpickler(data, where).load()
+    except CkptError:
+        return None  # over a budget, or unreadable: the torch format's reader says so
+    except Exception:  # any bytes: a corrupt zip or pickle is the torch format's to report
+        return None
+    if not isinstance(root, _Stand):
+        return None
+    state = root.state
+    if isinstance(state, tuple) and len(state) == 2:  # (__dict__, slots)
+        state = state[0] if isinstance(state[0], dict) else state[1]
+    attributes = state if isinstance(state, dict) else {}
+    return PickledObject(
+        cls=type(root).original,
+        values={k: v for k, v in attributes.items() if isinstance(k, str) and _plain_attribute(v)},
+        objects={
+            k: type(v).original
+            for k, v in attributes.items()
+            if isinstance(k, str) and isinstance(v, _Stand) and type(v).original
+        },
+    )

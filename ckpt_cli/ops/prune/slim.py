@@ -108,6 +108,8 @@ def slim_plan(path: str | Path) -> SlimAction | str:
         named = list(training.prefixes)
         if isinstance(checkpoint, CompositeCheckpoint):
             named += [c for c in checkpoint.components if c not in named]
+            # a component listed, never loaded (accelerate's pickled sampler): its file
+            named += [c for c in opened.listed_parts if c not in named]
         dropped = [c for c in named if is_dropped(c)]
         if not dropped:
             return "it holds no optimizer, RNG or data-loader state"
@@ -122,9 +124,13 @@ def slim_plan(path: str | Path) -> SlimAction | str:
                     if rel is not None and rel not in files:
                         files.append(rel)
                         size += (target / rel).stat().st_size
+            for name, rel in opened.listed_parts.items():
+                if name in dropped and rel not in files and (target / rel).is_file():
+                    files.append(rel)
+                    size += (target / rel).stat().st_size
             # a component named by its place in another one (`rng` in `rng_0.`, a DeepSpeed
             # optimizer in its ZeRO partitions) goes with that one, or stays with it
-            removed = set(dropped) & set(checkpoint.components)
+            removed = set(dropped) & (set(checkpoint.components) | set(opened.listed_parts))
             holder = {
                 c: training.prefixes[c].partition(".")[0]
                 for c in dropped

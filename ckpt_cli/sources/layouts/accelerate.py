@@ -142,12 +142,16 @@ class Accelerate(Layout):
                     if i and numbered("model", i) not in folder.components:
                         folder.add(numbered("model", i), name, fmt)
         folder.add_fsdp()
+        samplers: list[dict[str, object]] = []
         for comp, stem in (
             ("optimizer", "optimizer"),
             ("scheduler", "scheduler"),
             ("sampler", "sampler"),
             ("dataloader", "dl_state_dict"),
         ):
+            if comp == "sampler":
+                samplers = _add_samplers(folder)
+                continue
             for name, i in folder.numbered_files(stem, ".bin"):
                 if numbered(comp, i) not in folder.components:
                     folder.add(numbered(comp, i), name, "torch")
@@ -183,6 +187,8 @@ class Accelerate(Layout):
             }
         per_rank_models(checkpoint, state)
         state.components = component_files(folder)
+        if samplers and not state.dataloader:
+            state.dataloader = samplers[0]
         # accelerate records no training step: the `step` in `random_states_N.pkl` counts
         # gradient-accumulation micro-steps (0 without `accumulate()`, reset each epoch), and
         # the automatic `checkpoint_N` counts saves. A folder the script named after its step
@@ -202,6 +208,54 @@ class Accelerate(Layout):
             state.missing.append("every prepared optimizer's state")
             state.resumable = state.exact = False
         return opened
+
+
+#: the class of the sampler `save_state` pickles whole into `sampler{_i}.bin`
+#: (`accelerate.data_loader.SeedableRandomSampler`, with `use_seedable_sampler=True`)
+SEEDABLE_SAMPLER = "accelerate.data_loader.SeedableRandomSampler"
+
+
+def _add_samplers(folder: Folder) -> list[dict[str, object]]:
+    """Each `sampler{_i}.bin`: accelerate's `save_state` writes it with torch.save of the
+    prepared data loader's `SeedableRandomSampler` object itself (not a state dict), which
+    torch's weights_only loader refuses and ckpt never unpickles. Its class and plain
+    attributes are read as data (`read_pickled_object`: every global a stand-in, nothing run),
+    and the file is listed, not loaded: a whole save, never an unreadable one. Its `epoch` and
+    `initial_seed` are what set the shuffle order (`SeedableRandomSampler.__iter__` seeds its
+    generator with their sum). A file that holds plain data, or an object of another class, is
+    opened as the torch.save component it is (and said unreadable if it is not one).
+
+    Returns the data-loader summary of each sampler listed (`TrainingState.dataloader`)."""
+    from ...formats.torch.pickle_values import read_pickled_object
+
+    summaries: list[dict[str, object]] = []
+    for name, i in folder.numbered_files("sampler", TORCH_BIN_SUFFIX):
+        comp = numbered("sampler", i)
+        if comp in folder.components:
+            continue
+        rel = folder.rel(name)
+        pickled = read_pickled_object(folder.source.storage, rel)
+        if pickled is None or pickled.cls != SEEDABLE_SAMPLER:
+            folder.add(comp, name, "torch")
+            continue
+        shown: dict[str, object] = {
+            k: pickled.values[k] for k in ("epoch", "initial_seed") if k in pickled.values
+        }
+        said = ", ".join(f"{k} {v}" for k, v in shown.items())
+        dataset = pickled.objects.get("data_source")
+        folder.list_file(
+            comp,
+            name,
+            f"{name} (SeedableRandomSampler{f': {said}' if said else ''})",
+            # the same words for every save of a run (`diff` names the file with one side's)
+            "a pickled accelerate SeedableRandomSampler object: its epoch and initial_seed "
+            "set the shuffle order (`inspect` shows them); the pickle also holds the dataset "
+            f"it samples{f' (a {dataset})' if dataset else ''}. ckpt does not unpickle classes, "
+            "so it is not loaded: it is carried as it is where the copy keeps accelerate's "
+            "layout (reshard, sync), copy it by hand otherwise",
+        )
+        summaries.append({"kind": "seedable sampler", "file": name, **shown})
+    return summaries
 
 
 #: the file diffusers' LoRA training scripts save the adapter in from their `save_state`

@@ -63,6 +63,9 @@ class OpenedSource:
     placeholders: dict[str, Placeholder] = field(default_factory=dict)
     #: files of the folder a layout lists but never loads: file -> why (`training_args.bin`)
     listed_files: dict[str, str] = field(default_factory=dict)
+    #: the components such files are: component -> its file (accelerate's `sampler.bin` is
+    #: the `sampler`, which `prune --slim-older-than` removes with the other resume state)
+    listed_parts: dict[str, str] = field(default_factory=dict)
 
 
 class Layout(ABC):

@@ -327,6 +327,8 @@ class Folder:
         self.listed: dict[str, str] = {}
         #: their files: file -> why it is not loaded (what `convert` reports as skipped)
         self.listed_files: dict[str, str] = {}
+        #: component -> its file, for the listed components that are a file of their own
+        self.listed_parts: dict[str, str] = {}
         self.wrappers: dict[str, str] = {}
         #: entry name -> flat ranges that are padding, not data (ZeRO partitions)
         self.padding: dict[str, list[tuple[int, int]]] = {}
@@ -372,10 +374,12 @@ class Folder:
         except CkptError as error:
             no_verdict(error)  # the store or the OS refused the read: no verdict on the file
             if unpickled_by is not None and isinstance(error, UnsafeInputError):
-                self.listed[comp] = f"{name} (not loaded)"
-                self.listed_files[rel] = (
+                self.list_file(
+                    comp,
+                    name,
+                    f"{name} (not loaded)",
                     f"{error.problem}; {unpickled_by} unpickles it in full, so "
-                    "the save resumes; ckpt never unpickles it: copy it by hand if wanted"
+                    "the save resumes; ckpt never unpickles it: copy it by hand if wanted",
                 )
                 return None
             self._unreadable(rel, rel, error)
@@ -388,6 +392,16 @@ class Folder:
         self.components[comp] = checkpoint
         self.parts[comp] = (rel, fmt)
         return checkpoint
+
+    def list_file(self, comp: str, name: str, shown: str, why: str) -> None:
+        """File `name` of the folder (under `base`) as component `comp`, listed and never
+        loaded: `shown` is what the components say of it, `why` what `convert` and `diff` say
+        of the file (a pickle ckpt does not unpickle, which the framework resumes from)."""
+        rel = self.rel(name)
+        self.used.add(rel)
+        self.listed[comp] = shown
+        self.listed_files[rel] = why
+        self.listed_parts[comp] = rel
 
     def _unreadable(self, key: str, rel: str, error: CkptError) -> None:
         """Record component `key` (file `rel`) as unreadable: its problem, and one finding."""

@@ -925,4 +925,5 @@ def finish(
         parts=dict(folder.parts),
         unreadable=dict(folder.unreadable_parts),
         listed_files=dict(folder.listed_files),
+        listed_parts=dict(folder.listed_parts),
     )

@@ -437,6 +437,8 @@ _DCP_STEP_LAYOUTS = ("torchtitan",)
 #: the model states DeepSpeed's `save_checkpoint` writes into every tag folder (ZeRO-1/2 and
 #: stage 0: `mp_rank_MM_…`; ZeRO-3: `zero_pp_rank_R_mp_rank_MM_…`)
 _DEEPSPEED_MODEL_STATES = re.compile(r"(?:zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
+#: the model states file rank 0 writes into every DeepSpeed tag folder (ZeRO 0-2; ZeRO-3)
+DEEPSPEED_RANK0_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
 def deepspeed_states_in(folder: str, files: Iterable[str]) -> list[str]:

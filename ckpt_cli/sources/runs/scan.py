@@ -32,6 +32,7 @@ from .judge import (
 from .listing import RunListing
 from .naming import (
     COMPARED,
+    DEEPSPEED_RANK0_STATES,
     MEGATRON,
     MEGATRON_RELEASE,
     MEGATRON_TRACKER,
@@ -130,7 +131,11 @@ def scan(
     candidates, left_out = leave_out_strays(run.discover())
     items = [by_content(item, run.files(item)) for item in candidates]
     ds_latest = read_deepspeed_latest(run.storage)
+    # no `latest` at all: every tag was saved with `save_latest=False` (or none yet)
+    no_latest = "latest" not in run.top_entries()
     items += _unnamed_step_tag(run, items, ds_latest)
+    if no_latest:
+        items += _tags_without_latest(run, items)
     items += _trainer_last_checkpoint(run, items)
     tracker = read_megatron_tracker(run.storage)
     items += _megatron_release(run, items, tracker)
@@ -192,6 +197,10 @@ def scan(
             if c.layout == "deepspeed" and _base_name(c.name) == ds_latest:
                 c.markers.append("deepspeed-latest")
                 report.deepspeed_latest = c.name
+    if no_latest and newest is not None and newest.layout == "deepspeed" and "/" not in newest.name:
+        # the save a resume takes (what `latest` prints, with its reason as a warning)
+        note = _NO_LATEST.format(tag=newest.name)
+        newest.reason = f"{newest.reason}; {note}" if newest.reason else note
     if megatron_latest is not None:
         for c in checkpoints:
             if c.layout == MEGATRON and _base_name(c.name) == megatron_latest[1]:
@@ -225,6 +234,35 @@ def scan(
             report.best.source = None
     run.close()
     return report
+
+
+#: what a DeepSpeed save of a run folder with no `latest` file is told (complete all the same)
+_NO_LATEST = (
+    "no `latest` file in the run folder (saved with save_latest=False): DeepSpeed's "
+    "engine.load_checkpoint(dir) loads nothing without it (it logs a warning and returns "
+    "None); resume with engine.load_checkpoint(dir, tag={tag!r})"
+)
+
+
+def _tags_without_latest(run: RunListing, items: list[Found]) -> list[Found]:
+    """The DeepSpeed tag folders at the top of a run folder with no `latest` file whose names
+    hold no step (`save_checkpoint(dir, tag="final", save_latest=False)`), each a DeepSpeed save
+    at the step its model states record: no naming rule finds them and no `latest` names them,
+    so the run's newest save went unlisted and `latest` named an older one. A folder is one
+    when rank 0's model states are directly in it (one file looked up, nothing walked first)."""
+    held = {i.rels[0] for i in items}
+    found: list[Found] = []
+    for name, is_dir in sorted(run.top_entries().items()):
+        if not is_dir or name in held or name.startswith("."):
+            continue
+        if not any(run.storage.exists(f"{name}/{states}") for states in DEEPSPEED_RANK0_STATES):
+            continue
+        item = Found("deepspeed", None, None, [name], True)
+        files = run.files(item)
+        if holds_deepspeed_states(name, files):
+            step = deepspeed_states_step(run.storage, name, files)
+            found.append(dataclasses.replace(item, step=step))
+    return found
 
 
 def _unnamed_step_tag(run: RunListing, items: list[Found], tag: str | None) -> list[Found]:
