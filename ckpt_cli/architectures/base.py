@@ -240,7 +240,7 @@ class MappedTensor:
         name: the output name.
         shape / dtype: as written (dtype is the source's: a mapping never casts).
         pieces: the source tensors (or boxes) read, in order.
-        combine: `one` (the single piece as is), `concat` (along dim 0), `stack` (a new
+        combine: `one` (the single piece as is), `concat` (along dim `axis`), `stack` (a new
             leading dim, experts) or `zeros` (no pieces: a state the target naming holds and
             the source has none of, at its fresh-start value; see `Filled`).
         permute: rotary row permutation applied after combining: `to_halves` (interleaved
@@ -248,6 +248,8 @@ class MappedTensor:
         heads: the head count `permute` works per.
         transform: the name of the transform for reports (`rename`, `rotary-permute`,
             `unstack-experts`, `stack-experts`...).
+        axis: the dim `concat` joins the pieces along (0: rows; 1: Qwen3.5's experts' gate
+            and up projections side by side in one `[E, 2F, D]` tensor).
     """
 
     name: str
@@ -258,6 +260,7 @@ class MappedTensor:
     permute: Literal["to_halves", "to_interleaved"] | None = None
     heads: int = 0
     transform: str = "rename"
+    axis: int = 0
 
     @property
     def verbatim(self) -> bool:
@@ -289,7 +292,7 @@ class MappedTensor:
         if self.combine == "one":
             out = parts[0]
         elif self.combine == "concat":
-            out = torch.cat(parts, dim=0)
+            out = torch.cat(parts, dim=self.axis)
         else:
             out = torch.stack(parts, dim=0)
         del parts
