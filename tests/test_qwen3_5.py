@@ -230,6 +230,43 @@ def test_a_qwen3_5_layer_without_its_value_projection_is_refused(tmp_path: Path)
     assert not (tmp_path / "back").exists()
 
 
+def test_a_qwen3_5_with_its_vision_encoder_is_refused_naming_it_and_diffed_without_it(
+    tmp_path: Path,
+) -> None:
+    """Qwen's checkpoints hold the vision encoder beside the language model (`model.visual.`),
+    which ckpt does not map: the family is still named, a conversion is refused naming the
+    encoder's tensors and the `--filter-out` that converts the language model alone (never
+    dropped quietly), and `diff` across namings compares the rest, naming what it left out."""
+    tensors = _qwen35_hf(tmp_path / "plain", moe=False)
+    vision = {
+        "model.visual.patch_embed.proj.weight": torch.ones(16, 3, 2, 4, 4),
+        "model.visual.blocks.0.attn.qkv.weight": torch.ones(48, 16),
+    }
+    (tmp_path / "vlm").mkdir()
+    save_file({**tensors, **vision}, tmp_path / "vlm" / "model.safetensors")
+    shutil.copy(tmp_path / "plain" / "config.json", tmp_path / "vlm" / "config.json")
+    r = run_ckpt("inspect", tmp_path / "vlm", "--json")
+    assert json.loads(r.stdout)["result"]["architecture"]["architecture"] == "qwen3.5"
+    r = run_ckpt("convert", tmp_path / "vlm", tmp_path / "tt", "--to", "torchtitan")
+    assert r.exit_code == 4
+    said = " ".join(r.stderr.split())
+    assert "2 tensor(s) of Qwen3.5's vision encoder" in said
+    assert "'model.visual.patch_embed.proj.weight'" in said
+    assert "--filter-out 'model.visual.*'" in said
+    assert not (tmp_path / "tt").exists()
+    r = run_ckpt(
+        "convert", tmp_path / "vlm", tmp_path / "tt", "--to", "torchtitan",
+        "--filter-out", "model.visual.*",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    r = run_ckpt("diff", tmp_path / "vlm", tmp_path / "tt", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert doc["identical"] and doc["compared"] == len(tensors)
+    left = {item["name"] for item in doc["naming"]["left_out_a"]}
+    assert set(vision) <= left
+
+
 # --------------------------------------------------------------------------- torchtitan
 
 
@@ -319,6 +356,15 @@ def test_a_torchtitan_qwen3_5_exports_to_a_model_transformers_loads_with_its_log
     logits = _hf_logits(dest)
     assert logits.dtype == torch.float32
     assert torch.allclose(logits, reference, rtol=0, atol=TOLERANCE[family])
+    # the export holds what torchtitan saved: diff reads the save through the same mapping,
+    # and names the vision encoder it leaves out
+    r = run_ckpt("diff", step, dest, "--select", "model", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)["result"]
+    assert doc["identical"] and not doc["only_a"] and not doc["only_b"]
+    assert doc["compared"] == len(want)
+    left = {item["name"] for item in doc["naming"]["left_out_a"]}
+    assert "vision_encoder.patch_embed.weight" in left
     # the config.json --flavor builds from torchtitan's model config: the same model
     flavored = tmp_path / "flavored"
     r = run_ckpt(

@@ -21,9 +21,10 @@ One departure from torchtitan 0.3.0's adapter: it transposes the stacked experts
 as a size mismatch; the layout here is the one `from_pretrained` loads and computes the
 torchtitan logits with.
 
-The vision encoder (`vision_encoder.*`, `model.visual.*`) is not mapped: a save holding it is
-recognised (`inspect` names the family) and its conversion to another naming is refused,
-naming the tensors and the `--filter-out` that exports the language model alone.
+The vision encoder (`vision_encoder.*`, `model.visual.*`) is not mapped (`unmapped`): a save
+holding it is recognised (`inspect` names the family), its conversion to another naming is
+refused, naming the tensors and the `--filter-out` that exports the language model alone, and
+`diff` across namings compares the language model, naming the encoder's tensors left out.
 
 A torchtitan save holds no config, and Qwen3.5's (linear-attention heads, partial rotary,
 layer types) is not in the weights: `--config` or `--flavor` gives it (`hf_config`).
@@ -42,7 +43,6 @@ from ..errors import FormatError, UsageError
 from .base import (
     HF,
     Architecture,
-    ArchitecturePlan,
     Direction,
     Filled,
     Ignored,
@@ -120,8 +120,12 @@ _GATE_UP = (
     ),
 )
 
-#: the vision encoder's tensors, which no rule maps (`Qwen3_5.refuse_vision`)
-VISION_PREFIXES = {HF: "model.visual.", TITAN: "vision_encoder."}
+#: the vision encoder, which no rule maps (`Architecture.unmapped`)
+_VISION = "vision encoder (ckpt maps the language model only)"
+_UNMAPPED = {
+    HF: (Ignored("model.visual.", _VISION, prefix=True),),
+    TITAN: (Ignored("vision_encoder.", _VISION, prefix=True),),
+}
 
 _HF_IGNORED = (
     Ignored(_H + "self_attn.rotary_emb.inv_freq", "rotary table (rebuilt)"),
@@ -334,6 +338,7 @@ class _Qwen35(Architecture):
         TITAN: (_COMMON[0][1], _COMMON[-1][1]),
     }
     ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {HF: _HF_IGNORED, TITAN: _TITAN_IGNORED}
+    unmapped: ClassVar[Mapping[str, Sequence[Ignored]]] = _UNMAPPED
     # a layer is full attention or GatedDeltaNet (config.json's layer_types): either is
     # optional to recognition, and `check_layers` wants one whole in each layer
     optional: ClassVar[Mapping[str, Sequence[str]]] = {
@@ -347,41 +352,6 @@ class _Qwen35(Architecture):
 
     hf_architecture: ClassVar[str]
     hf_model_type: ClassVar[str]
-
-    @classmethod
-    def recognise(cls, names: Sequence[str]) -> str | None:
-        # a save of the whole model holds its vision encoder, which no rule maps: the
-        # language model's names tell the family, and `plan` refuses to map the encoder
-        text = [n for n in names if not n.startswith(tuple(VISION_PREFIXES.values()))]
-        naming = super().recognise(text)
-        if naming is None or len(text) == len(names):
-            return naming
-        # the encoder's own prefix, in the naming the language model is in
-        return naming if all(_vision_naming(n) == naming for n in names if n not in text) else None
-
-    @classmethod
-    def plan(
-        cls,
-        entries: Sequence[tuple[str, Sequence[int], str]],
-        source: str,
-        target: str,
-        args: ModelArgs,
-    ) -> ArchitecturePlan:
-        """The family's plan; a source holding the vision encoder is refused, naming it."""
-        prefix = VISION_PREFIXES.get(source)
-        vision = [n for n, _, _ in entries if prefix is not None and n.startswith(prefix)]
-        if vision and source != target:
-            shown = ", ".join(repr(n) for n in vision[:3])
-            more = f" and {len(vision) - 3} more" if len(vision) > 3 else ""
-            raise FormatError(
-                f"{len(vision)} tensor(s) of {cls.title}'s vision encoder have no rule from "
-                f"the {source} naming to the {target} naming: {shown}{more} (ckpt maps the "
-                "language model only)",
-                fix=f"Leave the encoder out with --filter-out '{prefix}*' to convert the "
-                f"language model alone (transformers' {cls.hf_architecture}), or convert "
-                "with --to safetensors / dcp to keep every tensor under its name.",
-            )
-        return super().plan(entries, source, target, args)
 
     @classmethod
     def args_from_shapes(cls, shapes: Mapping[str, Sequence[int]], naming: str) -> ModelArgs:
@@ -588,10 +558,6 @@ class _Qwen35(Architecture):
                 }
             )
         return cls.args_from_config(config)
-
-
-def _vision_naming(name: str) -> str | None:
-    return next((n for n, prefix in VISION_PREFIXES.items() if name.startswith(prefix)), None)
 
 
 class Qwen3_5(_Qwen35):
