@@ -267,6 +267,28 @@ def test_a_qwen3_5_with_its_vision_encoder_is_refused_naming_it_and_diffed_witho
     assert set(vision) <= left
 
 
+def test_a_flavor_whose_torchtitan_model_cannot_be_imported_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchtitan's qwen3_5 imports flash-linear-attention at its top: without it, `--flavor`
+    crashed (exit 70, a ModuleNotFoundError); it names what is missing and --config."""
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed: --flavor says so itself")
+    _qwen35_hf(tmp_path / "hf", moe=False)
+    (tmp_path / "hf" / "config.json").unlink()
+    monkeypatch.setitem(sys.modules, "fla", None)  # `import fla` raises ImportError
+    for name in [n for n in sys.modules if n.startswith("torchtitan.models.qwen3_5")]:
+        monkeypatch.delitem(sys.modules, name)
+    r = run_ckpt(
+        "convert", tmp_path / "hf", tmp_path / "tt", "--to", "torchtitan", "--flavor", "0.8B"
+    )
+    assert r.exit_code == 2, r.stderr
+    said = " ".join(r.stderr.split())
+    assert "model registry of torchtitan.models.qwen3_5, whose import failed" in said
+    assert "Install what it imports (fla)" in said and "--config" in said
+    assert not (tmp_path / "tt").exists()
+
+
 # --------------------------------------------------------------------------- torchtitan
 
 
