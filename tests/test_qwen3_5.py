@@ -242,8 +242,10 @@ def test_a_qwen3_5_with_its_vision_encoder_is_refused_naming_it_and_diffed_witho
         "model.visual.patch_embed.proj.weight": torch.ones(16, 3, 2, 4, 4),
         "model.visual.blocks.0.attn.qkv.weight": torch.ones(48, 16),
     }
+    # and their multi-token-prediction head, which transformers' load ignores (`^mtp.*`)
+    mtp = {"mtp.fc.weight": torch.ones(DIM, 2 * DIM)}
     (tmp_path / "vlm").mkdir()
-    save_file({**tensors, **vision}, tmp_path / "vlm" / "model.safetensors")
+    save_file({**tensors, **vision, **mtp}, tmp_path / "vlm" / "model.safetensors")
     shutil.copy(tmp_path / "plain" / "config.json", tmp_path / "vlm" / "config.json")
     r = run_ckpt("inspect", tmp_path / "vlm", "--json")
     assert json.loads(r.stdout)["result"]["architecture"]["architecture"] == "qwen3.5"
@@ -259,12 +261,13 @@ def test_a_qwen3_5_with_its_vision_encoder_is_refused_naming_it_and_diffed_witho
         "--filter-out", "model.visual.*",
     )  # fmt: skip
     assert r.exit_code == 0, r.stderr
+    assert "multi-token-prediction module" in r.stderr and "mtp.fc.weight" in r.stderr
     r = run_ckpt("diff", tmp_path / "vlm", tmp_path / "tt", "--json")
     assert r.exit_code == 0, r.stdout + r.stderr
     doc = json.loads(r.stdout)["result"]
     assert doc["identical"] and doc["compared"] == len(tensors)
     left = {item["name"] for item in doc["naming"]["left_out_a"]}
-    assert set(vision) <= left
+    assert {*vision, *mtp} <= left
 
 
 def test_a_flavor_whose_torchtitan_model_cannot_be_imported_is_a_usage_error(

@@ -130,6 +130,13 @@ _UNMAPPED = {
 _HF_IGNORED = (
     Ignored(_H + "self_attn.rotary_emb.inv_freq", "rotary table (rebuilt)"),
     Ignored("model.language_model.rotary_emb.inv_freq", "rotary table (rebuilt)"),
+    # Qwen's checkpoints hold it; transformers' load ignores it (`^mtp.*`), torchtitan's
+    # adapter maps none of it, and neither model builds one
+    Ignored(
+        "mtp.",
+        "multi-token-prediction module (a training head neither model builds)",
+        prefix=True,
+    ),
 )
 _TITAN_IGNORED = (
     Ignored("freqs_cis", "rotary table (rebuilt)"),
