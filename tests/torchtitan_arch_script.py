@@ -9,8 +9,9 @@ Run in its own process (torchtitan's imports are heavy and register hooks):
         and writes into OUT: `config.json` (the same model as a transformers config),
         `logits.pt` (torchtitan's forward on `IDS`) and `to_hf.safetensors` (torchtitan's own
         `StateDictAdapter.to_hf` of the model's state dict: the bytes an export must equal);
-        for `deepseek-v3` also `flavor_config.json`, the config.json `--flavor` builds from
-        the torchtitan model's config (`DeepseekV3.args_from_torchtitan`)
+        for `deepseek-v3` and `qwen3.5(-moe)` also `flavor_config.json`, the config.json
+        `--flavor` builds from the torchtitan model's config (`args_from_torchtitan`); for
+        `qwen3.5(-moe)` also `state.pt`, the model's state dict as saved
     python tests/torchtitan_arch_script.py save-balanced FAMILY RUN OUT
         as `save`, but with torchtitan's own MoE load-balancing hook registered on the
         optimizer (as its Trainer does) and three steps taken, so each MoE layer's
@@ -22,6 +23,9 @@ Run in its own process (torchtitan's imports are heavy and register hooks):
         `OUT/trained.pt` (the loss and whether every parameter moved)
 
 FAMILY is `llama3` (dim 32, 4 heads over 2 KV heads, llama3 rope scaling), `qwen3` (q/k norms),
+`qwen3.5` / `qwen3.5-moe` (three GatedDeltaNet layers and one gated full-attention layer with
+partial multimodal rotary, a tiny vision encoder beside them; MoE: 4 experts, top 2, and a
+gated shared expert; see `QWEN35_NOTE`),
 `qwen3-moe` (4 experts, top 2), `deepseek-v3` (MLA with a low-rank query, yarn rotary, one dense
 layer then MoE layers of 8 sigmoid-routed experts in 2 groups plus a shared expert; saved after
 three steps with torchtitan's load-balancing hook, so its `expert_bias_E` is trained and routes
@@ -50,6 +54,157 @@ KV_LORA, Q_LORA, NOPE, ROPE_DIM, V_DIM, DS_LAYERS, DS_EXPERTS = 16, 8, 8, 4, 8, 
 YARN = (4.0, 16, 0.7)
 #: the fixed input ids every forward is judged on
 IDS = torch.arange(12).reshape(2, 6) * 5 % VOCAB
+#: Qwen3.5's: one sequence (its GatedDeltaNet runs a batch without document offsets as one
+#: stream, as transformers' does not)
+QWEN35_IDS = IDS.reshape(1, 12)
+#: Qwen3.5's linear-attention heads, its MoE and its rotary (a quarter of each head)
+LIN_K_HEADS, LIN_V_HEADS, LIN_HEAD_DIM, Q35_HEAD_DIM, Q35_ROTARY = 2, 4, 8, 16, 8
+Q35_LAYERS, Q35_MOE_FFN, Q35_SHARED_FFN, MROPE = 4, 24, 40, [2, 1, 1]
+#: QWEN35_NOTE: torchtitan's GatedDeltaNet kernel is flash-linear-attention's Triton kernel,
+#: which runs on GPUs only; on CPU the forward computes the same gated delta rule with
+#: transformers' pure-torch reference of it (`torch_chunk_gated_delta_rule`), swapped in for
+#: the kernel call alone: every weight, projection, convolution and norm is torchtitan's own
+
+
+def _qwen35_cpu_kernel() -> None:
+    import torchtitan.models.qwen3_5.model as qwen35
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    def kernel(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        use_qk_l2norm_in_kernel: bool,
+        **_: Any,
+    ) -> Any:
+        return torch_chunk_gated_delta_rule(
+            q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
+        )
+
+    qwen35._fla_chunk_gated_delta_rule = kernel  # type: ignore[assignment]
+
+
+def _qwen35_config(family: str) -> Any:
+    import torchtitan.models.qwen3_5 as q35
+    from torchtitan.models.common import Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3_5.rope import MRoPE
+
+    _qwen35_cpu_kernel()
+    common: dict[str, Any] = {
+        "rope": MRoPE.Config(
+            dim=Q35_ROTARY, max_seq_len=SEQ, theta=10_000_000.0, mrope_section=MROPE
+        ),
+        "attn_backend": "flex",
+        "n_layers": Q35_LAYERS,
+        "dim": DIM,
+        "n_heads": HEADS,
+        "n_kv_heads": KV_HEADS,
+        "head_dim": Q35_HEAD_DIM,
+        "rotary_dim": Q35_ROTARY,
+        "n_key_heads": LIN_K_HEADS,
+        "n_value_heads": LIN_V_HEADS,
+        "key_head_dim": LIN_HEAD_DIM,
+        "value_head_dim": LIN_HEAD_DIM,
+    }
+    if family == "qwen3.5":
+        layers = q35._build_qwen35_layers(hidden_dim=FFN, **common)
+    else:
+        layers = q35._build_qwen35_moe_layers(
+            moe_hidden_dim=Q35_MOE_FFN,
+            num_experts=EXPERTS,
+            top_k=TOP_K,
+            shared_expert_hidden_dim=Q35_SHARED_FFN,
+            **common,
+        )
+    for layer in layers:
+        if layer.attention is not None:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return q35.Qwen35Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        norm=q35._offset_norm(DIM),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=DIM, param_init=q35._EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(
+            in_features=DIM, out_features=VOCAB, param_init=q35._output_linear_init(DIM)
+        ),
+        layers=layers,
+        vision_encoder=q35._qwen35_vision_encoder_config(
+            dim=16,
+            ffn_dim=32,
+            num_layers=1,
+            num_heads=2,
+            patch_size=4,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            out_hidden_size=DIM,
+            num_position_embeddings=16,
+        ),
+    )
+
+
+def _qwen35_hf_config(family: str) -> dict[str, Any]:
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": DIM,
+        "num_hidden_layers": Q35_LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": Q35_HEAD_DIM,
+        "linear_num_key_heads": LIN_K_HEADS,
+        "linear_num_value_heads": LIN_V_HEADS,
+        "linear_key_head_dim": LIN_HEAD_DIM,
+        "linear_value_head_dim": LIN_HEAD_DIM,
+        "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": SEQ,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": Q35_ROTARY / Q35_HEAD_DIM,
+            "mrope_section": MROPE,
+            "mrope_interleaved": True,
+        },
+    }
+    config: Any
+    if family == "qwen3.5":
+        config = transformers.Qwen3_5TextConfig(intermediate_size=FFN, **common)
+        config.architectures = ["Qwen3_5ForCausalLM"]
+    else:
+        config = transformers.Qwen3_5MoeTextConfig(
+            moe_intermediate_size=Q35_MOE_FFN,
+            shared_expert_intermediate_size=Q35_SHARED_FFN,
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            **common,
+        )
+        config.architectures = ["Qwen3_5MoeForCausalLM"]
+    out: dict[str, Any] = json.loads(config.to_json_string())
+    return out
+
+
+def forward(family: str, model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """torchtitan's forward of `model` on `tokens` (Qwen3.5's wants positions and its
+    vision placeholder ids, none of which text holds)."""
+    if not family.startswith("qwen3.5"):
+        out: torch.Tensor = model(tokens)
+        return out
+    positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
+    special = {"image_id": -1, "video_id": -2}
+    out = model(tokens, positions=positions, special_tokens=special)
+    return out
+
+
+def ids_of(family: str) -> torch.Tensor:
+    return QWEN35_IDS if family.startswith("qwen3.5") else IDS
 
 
 def _sdpa(layers: list[Any]) -> list[Any]:
@@ -73,6 +228,8 @@ def model_config(family: str) -> Any:
         return config
     if family == "deepseek-v3":
         return _deepseek_config()
+    if family.startswith("qwen3.5"):
+        return _qwen35_config(family)
     if family == "llama3":
         import torchtitan.models.llama3 as llama3
 
@@ -240,6 +397,8 @@ def hf_config(family: str) -> dict[str, Any]:
 
     if family == "deepseek-v3":
         return _deepseek_hf_config()
+    if family.startswith("qwen3.5"):
+        return _qwen35_hf_config(family)
 
     common: dict[str, Any] = {
         "hidden_size": DIM,
@@ -292,6 +451,10 @@ def hf_config(family: str) -> dict[str, Any]:
 
 
 def adapter(family: str, config: Any) -> Any:
+    if family.startswith("qwen3.5"):
+        from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
+
+        return Qwen35StateDictAdapter(config, None)
     if family == "deepseek-v3":
         from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 
@@ -305,8 +468,9 @@ def adapter(family: str, config: Any) -> Any:
     return Qwen3StateDictAdapter(config, None)
 
 
-def build(family: str, run: Path, seed: int) -> tuple[Any, Any, Any]:
-    """model, optimizers, checkpoint manager."""
+def build(family: str, run: Path, seed: int, *, text_only: bool = False) -> tuple[Any, Any, Any]:
+    """model, optimizers, checkpoint manager. `text_only`: a Qwen3.5 without its vision
+    encoder (the language model an export of it holds; a text forward never calls it)."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -314,6 +478,8 @@ def build(family: str, run: Path, seed: int) -> tuple[Any, Any, Any]:
     torch.manual_seed(seed)
     model = model_config(family).build()
     model.init_weights(buffer_device=None)
+    if text_only:
+        model.vision_encoder = None
     optimizers = default_adamw(lr=8e-4).build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(
         warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
@@ -333,9 +499,9 @@ def build(family: str, run: Path, seed: int) -> tuple[Any, Any, Any]:
     return model, optimizers, manager
 
 
-def train_step(model: Any, optimizers: Any) -> float:
+def train_step(model: Any, optimizers: Any, family: str = "") -> float:
     tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
-    logits = model(tokens[:, :-1])
+    logits = forward(family, model, tokens[:, :-1])
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     optimizers.step()
@@ -360,42 +526,45 @@ def save(family: str, run: Path, out: Path, *, balanced: bool = False) -> None:
         single = SimpleNamespace(get_optional_mesh=lambda name: None, ep_enabled=False, tp=1)
         register_moe_load_balancing_hook(optimizers, [model], single)  # type: ignore[arg-type]
     for _ in range(3 if balanced else 1):
-        train_step(model, optimizers)
+        train_step(model, optimizers, family)
     manager.save(curr_step=1)
     manager.close()
     out.mkdir(parents=True, exist_ok=True)
     if ":" not in family:
         (out / "config.json").write_text(json.dumps(hf_config(family), indent=2))
-    if family == "deepseek-v3":
+    if family == "deepseek-v3" or family.startswith("qwen3.5"):
         # what `--flavor` builds from a torchtitan model config (only 671B of torchtitan's
-        # own flavors routes by sigmoid as transformers' DeepseekV3 does: too big to build)
-        from ckpt_cli.architectures.deepseek import DeepseekV3
+        # own DeepSeek-V3 flavors routes by sigmoid as transformers' does: too big to build;
+        # Qwen3.5's are too, with their 248,320-token vocabulary)
+        from ckpt_cli.architectures import get_architecture
 
-        args = DeepseekV3.args_from_torchtitan(model_config(family))
+        args = get_architecture(family).args_from_torchtitan(model_config(family))
         assert args is not None
         built = args.config
         (out / "flavor_config.json").write_text(json.dumps(built, indent=2))
     with torch.no_grad():
-        torch.save(model(IDS), out / "logits.pt")
+        torch.save(forward(family, model, ids_of(family)), out / "logits.pt")
     if not reference:
         return
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if family.startswith("qwen3.5"):
+        torch.save(state, out / "state.pt")
     hf = adapter(family.split(":")[0], model_config(family)).to_hf(state)
     save_file({k: v.contiguous() for k, v in hf.items()}, out / "to_hf.safetensors")
 
 
 def load(family: str, run: Path, out: Path) -> None:
-    model, optimizers, manager = build(family, run, seed=1)
+    model, optimizers, manager = build(family, run, seed=1, text_only=family.startswith("qwen3.5"))
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     assert manager.load(step=0), f"no checkpoint step-0 under {run}"
     manager.close()
     out.mkdir(parents=True, exist_ok=True)
     loaded = {k: v.detach().clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
-        torch.save(model(IDS), out / "loaded_logits.pt")
+        torch.save(forward(family, model, ids_of(family)), out / "loaded_logits.pt")
     torch.save(loaded, out / "loaded_state.pt")
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    loss = train_step(model, optimizers)
+    loss = train_step(model, optimizers, family)
     moved = all(not torch.equal(v, params[k]) for k, v in model.named_parameters())
     restored = any(not torch.equal(before[k], loaded[k]) for k in loaded)
     torch.save({"loss": loss, "moved": moved, "restored": restored}, out / "trained.pt")

@@ -36,6 +36,8 @@ __all__ = [
 
 #: token -> "module:Class", most specific first (recognition tries them in this order)
 REGISTRY: dict[str, str] = {
+    "qwen3.5-moe": "ckpt_cli.architectures.qwen3_5:Qwen3_5Moe",
+    "qwen3.5": "ckpt_cli.architectures.qwen3_5:Qwen3_5",
     "deepseek-v3": "ckpt_cli.architectures.deepseek:DeepseekV3",
     "qwen3-moe": "ckpt_cli.architectures.llama:Qwen3Moe",
     "qwen3": "ckpt_cli.architectures.llama:Qwen3",

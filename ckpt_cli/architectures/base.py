@@ -240,7 +240,7 @@ class MappedTensor:
         name: the output name.
         shape / dtype: as written (dtype is the source's: a mapping never casts).
         pieces: the source tensors (or boxes) read, in order.
-        combine: `one` (the single piece as is), `concat` (along dim 0), `stack` (a new
+        combine: `one` (the single piece as is), `concat` (along dim `axis`), `stack` (a new
             leading dim, experts) or `zeros` (no pieces: a state the target naming holds and
             the source has none of, at its fresh-start value; see `Filled`).
         permute: rotary row permutation applied after combining: `to_halves` (interleaved
@@ -248,6 +248,8 @@ class MappedTensor:
         heads: the head count `permute` works per.
         transform: the name of the transform for reports (`rename`, `rotary-permute`,
             `unstack-experts`, `stack-experts`...).
+        axis: the dim `concat` joins the pieces along (0: rows; 1: Qwen3.5's experts' gate
+            and up projections side by side in one `[E, 2F, D]` tensor).
     """
 
     name: str
@@ -258,6 +260,7 @@ class MappedTensor:
     permute: Literal["to_halves", "to_interleaved"] | None = None
     heads: int = 0
     transform: str = "rename"
+    axis: int = 0
 
     @property
     def verbatim(self) -> bool:
@@ -289,7 +292,7 @@ class MappedTensor:
         if self.combine == "one":
             out = parts[0]
         elif self.combine == "concat":
-            out = torch.cat(parts, dim=0)
+            out = torch.cat(parts, dim=self.axis)
         else:
             out = torch.stack(parts, dim=0)
         del parts
@@ -625,6 +628,11 @@ class Architecture(ABC):
             HF naming stores no output projection (an export drops it, as torchtitan's own
             `to_hf` does) and a native one holds it as a copy of the embedding (an import
             writes it from the embedding's bytes).
+        unmapped: naming -> modules a checkpoint of this family may hold that no rule maps
+            (Qwen3.5's vision encoder), as `Ignored` prefixes: recognition passes over them,
+            `plan` refuses a source holding them (naming them and the `--filter-out` that
+            leaves them out: a conversion never drops a module quietly), and `diff` leaves
+            them out of a comparison across namings, named (`unmapped_of`).
     """
 
     name: ClassVar[str]
@@ -639,6 +647,7 @@ class Architecture(ABC):
     layer_variants: ClassVar[Sequence[Sequence[str]]] = ()
     torchtitan_models: ClassVar[str | None] = None
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
+    unmapped: ClassVar[Mapping[str, Sequence[Ignored]]] = {}
     #: naming -> patterns of tensors a `--dtype` cast leaves as stored: routing state the
     #: model keeps in float32 whatever its weights' dtype (DeepSeek-V3's router bias)
     float32: ClassVar[Mapping[str, Sequence[str]]] = {}
@@ -703,7 +712,19 @@ class Architecture(ABC):
     def _patterns(cls, naming: str) -> list[re.Pattern[str]]:
         """Every rule and ignore pattern of `naming`'s side, compiled."""
         side = [compile_pattern(p) for _, _, p in cls._side(naming)]
-        return side + [i.regex() for i in cls.ignored.get(naming, ())]
+        passed = (*cls.ignored.get(naming, ()), *cls.unmapped.get(naming, ()))
+        return side + [i.regex() for i in passed]
+
+    @classmethod
+    def unmapped_of(cls, names: Sequence[str], naming: str) -> list[tuple[str, Ignored]]:
+        """(name, its `unmapped` entry) of each of `names` (in `naming`) no rule maps."""
+        patterns = [(i.regex(), i) for i in cls.unmapped.get(naming, ())]
+        out: list[tuple[str, Ignored]] = []
+        for name in names:
+            found = next((i for regex, i in patterns if regex.match(name)), None)
+            if found is not None:
+                out.append((name, found))
+        return out
 
     @classmethod
     def covers_every(cls, names: Sequence[str], naming: str) -> bool:
@@ -823,6 +844,19 @@ class Architecture(ABC):
             raise FormatError(
                 f"{cls.title} has no mapping from the {source} naming to the {target} naming",
                 fix=f"Its namings: {', '.join(cls.namings())}.",
+            )
+        unmapped = cls.unmapped_of([n for n, _, _ in entries], source)
+        if unmapped:
+            shown = ", ".join(repr(n) for n, _ in unmapped[:3])
+            more = f" and {len(unmapped) - 3} more" if len(unmapped) > 3 else ""
+            modules = list(dict.fromkeys(i for _, i in unmapped))
+            globs = " ".join(f"--filter-out '{i.pattern}*'" for i in modules)
+            raise FormatError(
+                f"{len(unmapped)} tensor(s) of {cls.title}'s "
+                f"{' and '.join(i.reason for i in modules)} have no rule from the {source} "
+                f"naming to the {target} naming: {shown}{more}",
+                fix=f"Leave them out with {globs} to convert the rest of the model alone, or "
+                "convert with --to safetensors / dcp to keep every tensor under its name.",
             )
         native = source if target == HF else target
         direction: Direction = "to_hf" if target == HF else "from_hf"

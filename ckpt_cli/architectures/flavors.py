@@ -35,7 +35,16 @@ def flavor_args(arch: type[Architecture], flavor: str) -> ModelArgs:
             "--flavor reads torchtitan's model registry, and torchtitan is not installed",
             fix="Install torchtitan, or pass the model's config.json with --config.",
         )
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        # torchtitan's qwen3_5 imports flash-linear-attention's kernels (`fla`) at its top
+        missing = (e.name or "").split(".")[0] or "a module it imports"
+        raise UsageError(
+            f"--flavor reads the model registry of {module_name}, whose import failed ({e})",
+            fix=f"Install what it imports ({missing}), or pass the model's config.json with "
+            "--config.",
+        ) from None
     family = module_name.rsplit(".", 1)[-1]
     # (`deepseek_v3`'s registry is `deepseekv3_configs`)
     configs: dict[str, Any] = getattr(module, f"{family}_configs", None) or getattr(

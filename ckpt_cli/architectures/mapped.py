@@ -94,6 +94,8 @@ class MappedCheckpoint(Checkpoint):
         tensor = self.mapped.get(name)  # None for an entry that is no mapped tensor
         if tensor is None or tensor.permute is not None or tensor.combine == "zeros":
             return None
+        if tensor.combine == "concat" and tensor.axis != 0:
+            return None  # pieces side by side within each row: no back-to-back ranges
         out = []
         for piece in tensor.pieces:
             entry = self.base.manifest.by_name[piece.source]
