@@ -1014,3 +1014,38 @@ def test_a_cast_keeps_the_weights_diffusers_loads_in_float32(tmp_path: Path) -> 
     assert expected.keys() == loaded.keys()
     for name, tensor in expected.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_a_dry_run_of_a_trainer_checkpoint_says_which_tensors_are_copied_raw_as_the_run_does(
+    real_trainer_run: Path, tmp_path: Path
+) -> None:
+    """A user plans the conversion of a Trainer `checkpoint-N/` with `--dry-run --json` before
+    running it: the weights (safetensors) and the optimizer's step counters and RNG state
+    (torch.save blobs) are copied as raw bytes by the run, and the plan says so entry by entry.
+    It used to say `tensor` (deserialised) for every one of them and `raw_copies: 0`."""
+    src = real_trainer_run / "straight" / "checkpoint-4"
+    for to, extra in (("safetensors", []), ("dcp", ["--world-size", "2"]), ("torch", [])):
+        out = tmp_path / to
+        args = ("convert", src, out, "--to", to, *extra, "--json")
+        before = sorted(p.name for p in tmp_path.iterdir())
+        dry = run_ckpt(*args, "--dry-run")
+        assert dry.exit_code == 0, dry.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+        real = run_ckpt(*args)
+        assert real.exit_code == 0, real.stderr
+        planned, done = dry.json["result"], real.json["result"]
+        assert [(e["name"], e["how"]) for e in planned["entries"]] == [
+            (e["name"], e["how"]) for e in done["entries"]
+        ], to
+        assert planned["raw_copies"] == done["raw_copies"] > 0, to
+    # what was copied raw reads back bit-exact with the real reader
+    with safe_open(src / "model.safetensors", "pt") as a:
+        with safe_open(tmp_path / "safetensors" / "model.safetensors", "pt") as b:
+            for name in a.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                assert torch.equal(a.get_tensor(name), b.get_tensor(f"model.{name}")), name
+    # a cast is no raw copy, in the plan as in the run
+    cast = run_ckpt("convert", src, tmp_path / "bf16", "--to", "safetensors", "--dtype", "bf16",
+                    "--json", "--dry-run")
+    assert cast.exit_code == 0, cast.stderr
+    hows = {e["how"] for e in cast.json["result"]["entries"] if e["dtype"] == "bfloat16"}
+    assert hows == {"cast"}

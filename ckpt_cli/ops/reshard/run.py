@@ -55,6 +55,7 @@ from ..shared.transfer import (
     TransferPlan,
     account_files,
     plan_transfer,
+    planned_hows,
     write_checkpoint,
 )
 from .folder import reshard_folder
@@ -178,6 +179,7 @@ def regroup(
                 tensors=len(tensors),
                 objects=len(plan.items) - len(tensors),
                 tensor_bytes=sum(e.nbytes for e in tensors),
+                raw_copy=planned_hows(checkpoint, fmt, plan, options).count("raw"),
                 max_shard_size=max_shard_size,
                 verified=False,
                 dry_run=True,
