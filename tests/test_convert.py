@@ -10,12 +10,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy
 import pytest
 import torch
 from huggingface_hub import load_torch_model, save_torch_state_dict
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.serialization import get_unsafe_globals_in_checkpoint
 
 from ckpt_cli.formats import open_checkpoint
 
@@ -1039,13 +1042,68 @@ def test_a_dry_run_of_a_trainer_checkpoint_says_which_tensors_are_copied_raw_as_
         ], to
         assert planned["raw_copies"] == done["raw_copies"] > 0, to
     # what was copied raw reads back bit-exact with the real reader
-    with safe_open(src / "model.safetensors", "pt") as a:
-        with safe_open(tmp_path / "safetensors" / "model.safetensors", "pt") as b:
-            for name in a.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                assert torch.equal(a.get_tensor(name), b.get_tensor(f"model.{name}")), name
+    written = tmp_path / "safetensors" / "model.safetensors"
+    with safe_open(src / "model.safetensors", "pt") as a, safe_open(written, "pt") as b:
+        for name in a.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            assert torch.equal(a.get_tensor(name), b.get_tensor(f"model.{name}")), name
     # a cast is no raw copy, in the plan as in the run
-    cast = run_ckpt("convert", src, tmp_path / "bf16", "--to", "safetensors", "--dtype", "bf16",
-                    "--json", "--dry-run")
+    cast = run_ckpt(
+        "convert",
+        src,
+        tmp_path / "bf16",
+        "--to",
+        "safetensors",
+        "--dtype",
+        "bf16",
+        "--json",
+        "--dry-run",
+    )
     assert cast.exit_code == 0, cast.stderr
     hows = {e["how"] for e in cast.json["result"]["entries"] if e["dtype"] == "bfloat16"}
     assert hows == {"cast"}
+
+
+def test_a_dry_run_lists_the_shards_and_index_as_the_run_reports_them(
+    real_accelerate_run: Path, tmp_path: Path
+) -> None:
+    """A user plans cutting an accelerate `save_state` folder into torch.save shards: the dry
+    run's files (index first, each with the entries it holds) are the run's. The index was
+    listed last, said to hold every entry (the run says 0: it maps them), so the files'
+    entries added up to twice what was written."""
+    src = real_accelerate_run / "straight" / "step-4"
+    for to, size in (("torch", "20KB"), ("safetensors", "10KB")):
+        out = tmp_path / to
+        args = ("convert", src, out, "--to", to, "--max-shard-size", size, "--json")
+        dry = run_ckpt(*args, "--dry-run")
+        assert dry.exit_code == 0, dry.stderr
+        assert not out.exists()
+        real = run_ckpt(*args)
+        assert real.exit_code == 0, real.stderr
+        planned = [(f["path"], f["entries"]) for f in dry.json["result"]["files"]]
+        written = [(f["path"], f["entries"]) for f in real.json["result"]["files"]]
+        assert planned == written, to
+        report = real.json["result"]
+        assert sum(n for _, n in planned) == report["tensors"] + report["objects"], to
+        # the index the run wrote maps every entry to a shard that holds it (the real readers)
+        index = json.loads(next(out.glob("*.index.json")).read_text())["weight_map"]
+        held: dict[str, str] = {}
+        for shard in sorted(set(index.values())):
+            if to == "torch":
+                # the RNG state accelerate saved holds numpy arrays, as in its own file
+                allowed = [_global(g) for g in get_unsafe_globals_in_checkpoint(out / shard)]
+                allowed.append(type(numpy.dtype(numpy.uint32)))  # the dtype of its key array
+                with torch.serialization.safe_globals(allowed):
+                    names = torch.load(out / shard, weights_only=True, map_location="cpu").keys()
+            else:
+                with safe_open(out / shard, "pt") as f:
+                    names = set(f.keys())
+            held.update(dict.fromkeys(names, shard))
+        assert held == index, to
+
+
+def _global(dotted: str) -> Any:
+    """The object a pickle global names (`numpy._core.multiarray._reconstruct`)."""
+    import importlib
+
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
