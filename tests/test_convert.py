@@ -1107,3 +1107,28 @@ def _global(dotted: str) -> Any:
 
     module, _, name = dotted.rpartition(".")
     return getattr(importlib.import_module(module), name)
+
+
+def test_a_dry_run_into_a_folder_under_a_file_is_refused_as_the_run_is(
+    real_trainer_run: Path, tmp_path: Path
+) -> None:
+    """A user mistypes DEST under a file (`notes.txt/out`): the dry run planned the output
+    and exited 0, then the run read the whole source and failed creating its staging folder
+    (exit 74). Both now stop first, exit 74, naming the file, with one JSON envelope."""
+    src = real_trainer_run / "straight" / "checkpoint-4"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder\n")
+    commands = [
+        ("convert", src, notes / "out", "--to", "dcp"),
+        ("convert", src, notes / "model.safetensors", "--to", "safetensors", "--select", "model"),
+        ("reshard", src, notes / "out", "--max-shard-size", "10KB"),
+    ]
+    for args in commands:
+        for dry in (["--dry-run"], []):
+            result = run_ckpt(*args, *dry, "--json")
+            assert result.exit_code == 74, (args, dry, result.stdout)
+            error = result.json["error"]
+            assert error["path"] == str(notes) and "ENOTDIR" in error["message"], error
+            assert result.json["ok"] is False and result.stdout.count("ckpt_json") == 1
+    assert notes.read_text() == "not a folder\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
