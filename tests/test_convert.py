@@ -10,12 +10,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy
 import pytest
 import torch
 from huggingface_hub import load_torch_model, save_torch_state_dict
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.serialization import get_unsafe_globals_in_checkpoint
 
 from ckpt_cli.formats import open_checkpoint
 
@@ -1014,3 +1017,118 @@ def test_a_cast_keeps_the_weights_diffusers_loads_in_float32(tmp_path: Path) -> 
     assert expected.keys() == loaded.keys()
     for name, tensor in expected.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_a_dry_run_of_a_trainer_checkpoint_says_which_tensors_are_copied_raw_as_the_run_does(
+    real_trainer_run: Path, tmp_path: Path
+) -> None:
+    """A user plans the conversion of a Trainer `checkpoint-N/` with `--dry-run --json` before
+    running it: the weights (safetensors) and the optimizer's step counters and RNG state
+    (torch.save blobs) are copied as raw bytes by the run, and the plan says so entry by entry.
+    It used to say `tensor` (deserialised) for every one of them and `raw_copies: 0`."""
+    src = real_trainer_run / "straight" / "checkpoint-4"
+    for to, extra in (("safetensors", []), ("dcp", ["--world-size", "2"]), ("torch", [])):
+        out = tmp_path / to
+        args = ("convert", src, out, "--to", to, *extra, "--json")
+        before = sorted(p.name for p in tmp_path.iterdir())
+        dry = run_ckpt(*args, "--dry-run")
+        assert dry.exit_code == 0, dry.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+        real = run_ckpt(*args)
+        assert real.exit_code == 0, real.stderr
+        planned, done = dry.json["result"], real.json["result"]
+        assert [(e["name"], e["how"]) for e in planned["entries"]] == [
+            (e["name"], e["how"]) for e in done["entries"]
+        ], to
+        assert planned["raw_copies"] == done["raw_copies"] > 0, to
+    # what was copied raw reads back bit-exact with the real reader
+    written = tmp_path / "safetensors" / "model.safetensors"
+    with safe_open(src / "model.safetensors", "pt") as a, safe_open(written, "pt") as b:
+        for name in a.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            assert torch.equal(a.get_tensor(name), b.get_tensor(f"model.{name}")), name
+    # a cast is no raw copy, in the plan as in the run
+    cast = run_ckpt(
+        "convert",
+        src,
+        tmp_path / "bf16",
+        "--to",
+        "safetensors",
+        "--dtype",
+        "bf16",
+        "--json",
+        "--dry-run",
+    )
+    assert cast.exit_code == 0, cast.stderr
+    hows = {e["how"] for e in cast.json["result"]["entries"] if e["dtype"] == "bfloat16"}
+    assert hows == {"cast"}
+
+
+def test_a_dry_run_lists_the_shards_and_index_as_the_run_reports_them(
+    real_accelerate_run: Path, tmp_path: Path
+) -> None:
+    """A user plans cutting an accelerate `save_state` folder into torch.save shards: the dry
+    run's files (index first, each with the entries it holds) are the run's. The index was
+    listed last, said to hold every entry (the run says 0: it maps them), so the files'
+    entries added up to twice what was written."""
+    src = real_accelerate_run / "straight" / "step-4"
+    for to, size in (("torch", "20KB"), ("safetensors", "10KB")):
+        out = tmp_path / to
+        args = ("convert", src, out, "--to", to, "--max-shard-size", size, "--json")
+        dry = run_ckpt(*args, "--dry-run")
+        assert dry.exit_code == 0, dry.stderr
+        assert not out.exists()
+        real = run_ckpt(*args)
+        assert real.exit_code == 0, real.stderr
+        planned = [(f["path"], f["entries"]) for f in dry.json["result"]["files"]]
+        written = [(f["path"], f["entries"]) for f in real.json["result"]["files"]]
+        assert planned == written, to
+        report = real.json["result"]
+        assert sum(n for _, n in planned) == report["tensors"] + report["objects"], to
+        # the index the run wrote maps every entry to a shard that holds it (the real readers)
+        index = json.loads(next(out.glob("*.index.json")).read_text())["weight_map"]
+        held: dict[str, str] = {}
+        for shard in sorted(set(index.values())):
+            if to == "torch":
+                # the RNG state accelerate saved holds numpy arrays, as in its own file
+                allowed = [_global(g) for g in get_unsafe_globals_in_checkpoint(out / shard)]
+                allowed.append(type(numpy.dtype(numpy.uint32)))  # the dtype of its key array
+                with torch.serialization.safe_globals(allowed):
+                    names = torch.load(out / shard, weights_only=True, map_location="cpu").keys()
+            else:
+                with safe_open(out / shard, "pt") as f:
+                    names = set(f.keys())
+            held.update(dict.fromkeys(names, shard))
+        assert held == index, to
+
+
+def _global(dotted: str) -> Any:
+    """The object a pickle global names (`numpy._core.multiarray._reconstruct`)."""
+    import importlib
+
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_a_dry_run_into_a_folder_under_a_file_is_refused_as_the_run_is(
+    real_trainer_run: Path, tmp_path: Path
+) -> None:
+    """A user mistypes DEST under a file (`notes.txt/out`): the dry run planned the output
+    and exited 0, then the run read the whole source and failed creating its staging folder
+    (exit 74). Both now stop first, exit 74, naming the file, with one JSON envelope."""
+    src = real_trainer_run / "straight" / "checkpoint-4"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder\n")
+    commands = [
+        ("convert", src, notes / "out", "--to", "dcp"),
+        ("convert", src, notes / "model.safetensors", "--to", "safetensors", "--select", "model"),
+        ("reshard", src, notes / "out", "--max-shard-size", "10KB"),
+    ]
+    for args in commands:
+        for dry in (["--dry-run"], []):
+            result = run_ckpt(*args, *dry, "--json")
+            assert result.exit_code == 74, (args, dry, result.stdout)
+            error = result.json["error"]
+            assert error["path"] == str(notes) and "ENOTDIR" in error["message"], error
+            assert result.json["ok"] is False and result.stdout.count("ckpt_json") == 1
+    assert notes.read_text() == "not a folder\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -939,3 +939,36 @@ def test_a_training_save_on_the_hub_downloads_whole_and_verifies_resumable(
         assert named.exit_code == 0, named.stdout + named.stderr
         assert named.json["result"]["filters"]["tensors"] == ["model.lm_head.*"]
         assert set(read_all(head)) == {"lm_head.weight"}
+
+
+def test_a_tensors_mode_dry_run_lists_the_weight_files_the_run_writes(
+    hub: TestHub, real_trainer_run: Path, tmp_path: Path
+) -> None:
+    """A user plans a ranged download of a Trainer checkpoint on the Hub, and of a sharded
+    model: the dry run lists the files the run then writes (index first, shards with their
+    exact sizes), not only the config files fetched beside them. It left the weights out, so
+    the plan named none of the files that hold what was asked for."""
+    hub.add_repo("org/run", real_trainer_run / "straight" / "checkpoint-4")
+    publish(hub, tmp_path)
+    kinds: set[str] = set()
+    for repo, extra in (("org/run", []), ("org/model", []), ("org/model", ["-k", "lm_head.*"])):
+        dest = tmp_path / f"{repo.replace('/', '-')}-{len(extra)}"
+        args = ("download", f"hf://{repo}", dest, "--mode", "tensors", *extra, "--json")
+        dry = run_ckpt(*args, "--dry-run")
+        assert dry.exit_code == 0, dry.stderr
+        assert not dest.exists()
+        real = run_ckpt(*args)
+        assert real.exit_code == 0, real.stderr
+        planned = [(f["path"], f["size"], f["kind"]) for f in dry.json["result"]["files"]]
+        written = [(f["path"], f["size"], f["kind"]) for f in real.json["result"]["files"]]
+        assert planned == written, repo
+        weights = [f for f in dry.json["result"]["files"] if f["kind"] != "extra"]
+        assert weights and {f["status"] for f in weights} == {"planned"}
+        # sizes as written on disk, the safetensors the real reader opens
+        for path, size, kind in written:
+            assert (dest / path).stat().st_size == size, path
+            if kind == "weights":
+                with safe_open(dest / path, "pt") as f:
+                    assert list(f.keys()), path
+        kinds |= {kind for _, _, kind in planned}
+    assert kinds == {"index", "weights", "extra"}  # the sharded model's plan has its index

@@ -498,3 +498,45 @@ def test_accelerate_fsdp_folder_resharded_whole_loads_in_load_state(
     expected_rng_only = [f for f in found if f.startswith("rank 2: .rng")]
     assert found == expected_rng_only, found
     assert bool(expected_rng_only) == (world == 3)
+
+
+def test_a_shard_size_dry_run_of_a_trainer_checkpoint_counts_the_raw_copies_the_run_makes(
+    real_trainer_run: Path, tmp_path: Path
+) -> None:
+    """`reshard --max-shard-size --dry-run --json` of a Trainer checkpoint says how many
+    tensors the run copies as raw bytes (all of them: safetensors to safetensors, no cast);
+    it said 0, and the run then copied every one raw."""
+    src = real_trainer_run / "straight" / "checkpoint-4"
+    out = tmp_path / "checkpoint-4"
+    args = ("reshard", src, out, "--max-shard-size", "10KB", "--json")
+    dry = run_ckpt(*args, "--dry-run")
+    assert dry.exit_code == 0, dry.stderr
+    assert not out.exists()
+    real = run_ckpt(*args)
+    assert real.exit_code == 0, real.stderr
+    planned, done = dry.json["result"], real.json["result"]
+    assert planned["raw_copy"] == done["raw_copy"] == done["tensors"] > 0
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+
+
+def test_a_shard_size_reshard_of_a_trainer_checkpoint_lists_every_file_it_wrote(
+    real_trainer_run: Path, tmp_path: Path
+) -> None:
+    """The report's `files` of `reshard --max-shard-size` on a Trainer checkpoint are the files
+    in DEST, as its dry run lists them and as `--world-size` lists them: the optimizer,
+    scheduler, RNG and config files copied beside the shards were missing from the run's."""
+    src = real_trainer_run / "straight" / "checkpoint-4"
+    out = tmp_path / "checkpoint-4"
+    args = ("reshard", src, out, "--max-shard-size", "10KB", "--json")
+    dry = run_ckpt(*args, "--dry-run")
+    assert dry.exit_code == 0, dry.stderr
+    real = run_ckpt(*args)
+    assert real.exit_code == 0, real.stderr
+    on_disk = {p.name: p.stat().st_size for p in out.iterdir()}
+    listed = {f["path"]: f["size"] for f in real.json["result"]["files"]}
+    assert listed == on_disk
+    assert {f["path"] for f in dry.json["result"]["files"]} == set(on_disk)
+    assert {"optimizer.pt", "rng_state.pth", "scheduler.pt", "trainer_state.json"} <= set(listed)
+    # the copies are the source's files, byte for byte
+    for name in ("optimizer.pt", "rng_state.pth", "scheduler.pt", "trainer_state.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name

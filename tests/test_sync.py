@@ -2776,3 +2776,22 @@ def test_a_folder_made_in_the_console_before_the_upload_is_pulled_as_any_save(
     with safe_open(tmp_path / "pulled" / "checkpoint-200" / "model.safetensors", "pt") as got:
         expected = load_file(out / "checkpoint-200" / "model.safetensors")
         assert all(torch.equal(got.get_tensor(k), v) for k, v in expected.items())
+
+
+def test_a_pull_into_a_folder_under_a_file_is_refused_before_its_dry_run_plans_it(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """`ckpt sync s3://…/run notes.txt/run --dry-run` planned the pull and exited 0; the pull
+    then failed creating the folders (exit 74). The dry run now says so, as the pull does."""
+    make_bucket(s3_server.endpoint, BUCKET)
+    out = trainer_run(tmp_path / "train", steps=(100,))
+    pushed = run_ckpt("sync", out, f"s3://{BUCKET}/run/", "--json")
+    assert pushed.exit_code == 0, pushed.stdout + pushed.stderr
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder\n")
+    for dry in (["--dry-run"], []):
+        result = run_ckpt("sync", f"s3://{BUCKET}/run/", notes / "run", *dry, "--json")
+        assert result.exit_code == 74, (dry, result.stdout)
+        assert result.json["error"]["path"] == str(notes), result.stdout
+        assert "ENOTDIR" in result.json["error"]["message"]
+    assert notes.read_text() == "not a folder\n"

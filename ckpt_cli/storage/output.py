@@ -244,6 +244,11 @@ def check_destination(dest: Destination, force: bool) -> None:
         raise NotFoundError(
             "the parent folder does not exist", path=dest.parent, fix="Create it first."
         )
+    if not dest.parent.is_dir():
+        # a file where DEST's folder should be: the run failed creating its staging folder
+        # (exit 74) after a dry run had planned the output, and after the work of reading SRC
+        refused = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(dest.parent))
+        raise io_failure(refused, doing=f"creating {dest.name} in it")
 
 
 def _special_file(dest: Path) -> str | None:

@@ -61,6 +61,7 @@ __all__ = [
     "SafetensorsWriter",
     "encode_header",
     "find_index",
+    "index_bytes",
     "is_dcp_hf_sharded",
     "parse_header",
     "plan_shards",
@@ -543,6 +544,16 @@ def plan_shards(
     return shards
 
 
+def index_bytes(entries: list[Entry], shard_of: dict[str, str]) -> bytes:
+    """The `*.safetensors.index.json` the writer writes for `entries` cut into shards
+    (`shard_of`: entry name -> shard file): a dry run states its exact size from it."""
+    index = {
+        "metadata": {"total_size": sum(e.nbytes for e in entries)},
+        "weight_map": {name: shard_of[name] for name in sorted(shard_of)},
+    }
+    return (json.dumps(index, indent=2) + "\n").encode()
+
+
 def shard_names(basename: str, count: int) -> list[str]:
     """Hugging Face shard names: `model.safetensors`, or `model-00001-of-00003.safetensors`..."""
     if count == 1:
@@ -706,13 +717,10 @@ class SafetensorsWriter(Writer):
             raise RuntimeError(f"no rank wrote the shards {', '.join(missing[:3])}")
         written = [by_name[name] for name in self.names]
         if len(self.groups) > 1:
-            index = {
-                "metadata": {"total_size": sum(e.nbytes for e in self.plan)},
-                "weight_map": {name: self.names[self._where[name]] for name in sorted(self._where)},
-            }
+            shard_of = {name: self.names[index] for name, index in self._where.items()}
             # a naming convention may spell the index itself (diffusers variants)
             index_name = self.options.index_name or f"{self.basename}{INDEX_SUFFIX}"
-            data = (json.dumps(index, indent=2) + "\n").encode()
+            data = index_bytes(self.plan, shard_of)
             with open(self.staging / index_name, "wb") as fh:
                 fh.write(data)
                 fh.flush()

@@ -212,18 +212,17 @@ def planned_files(
     if options.single_file:
         size = fmt.planned_size(held, options.metadata)
         return [FileInfo(path=PurePath(str(dest)).name, size=size, entries=len(held))]
-    tensors = [e for e in held if e.kind == "tensor"]
     files = []
     shards = plan_shards(held, options.max_shard_size)
     stem = options.basename or fmt.default_basename
+    if len(shards) > 1:
+        # as the writer reports it, first: the index maps the entries and holds none (as
+        # DCP's `.metadata` above), so the files' entries add up to the entries written
+        files.append(FileInfo(path=f"{stem}{fmt.index_suffix}", entries=0))
     for name, shard in zip(fmt.shard_names(stem, len(shards)), shards, strict=True):
         files.append(
             FileInfo(path=name, size=fmt.planned_size(shard, options.metadata), entries=len(shard))
         )
-    if len(shards) > 1:
-        # the index lists every entry it maps (a tensor-only format's are all tensors)
-        counted = len(held) if fmt.holds_objects else len(tensors)
-        files.append(FileInfo(path=f"{stem}{fmt.index_suffix}", entries=counted))
     return files
 
 

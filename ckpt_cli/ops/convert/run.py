@@ -55,6 +55,7 @@ from ..shared.transfer import (
     nothing_to_dequantize,
     parse_renames,
     plan_transfer,
+    planned_hows,
 )
 from ..shared.transfer import write_checkpoint as run_write
 from .plan import (
@@ -593,7 +594,10 @@ def convert(
                 config_written = str(PurePath(str(dest_path)) / "config.json")
                 config_dtype = declared
         if dry_run:  # after every file is worked out: a dry run lists what the real run writes
-            report = _dry_run_report(manifest, plan, dest_path, target, options, cast, warnings)
+            hows = planned_hows(checkpoint, target, plan, options)
+            report = _dry_run_report(
+                manifest, plan, hows, dest_path, target, options, cast, warnings
+            )
             report = report.model_copy(
                 update={
                     # the files written beside the weights (a config.json built or retyped...)
@@ -751,13 +755,15 @@ def _plan(
 def _dry_run_report(
     manifest: Manifest,
     plan: TransferPlan,
+    hows: list[str],
     dest: Destination,
     target: type[Format],
     options: WriteOptions,
     cast: str | None,
     warnings: list[str],
 ) -> ConvertReport:
-    """What `convert` would write, from the plan alone: entries, files, sizes."""
+    """What `convert` would write, from the plan alone: entries, files, sizes; `hows`: how
+    each item would be written (`planned_hows`)."""
     entries = [
         WrittenEntry(
             name=i.target.name,
@@ -766,9 +772,9 @@ def _dry_run_report(
             dtype=i.target.dtype,
             shape=list(i.target.shape or []),
             nbytes=i.target.nbytes,
-            how="object" if i.target.kind != "tensor" else "cast" if i.cast else "tensor",
+            how=how,
         )
-        for i in plan.items
+        for i, how in zip(plan.items, hows, strict=True)
     ]
     tensors = [i.target for i in plan.items if i.target.kind == "tensor"]
     return ConvertReport(
@@ -780,7 +786,7 @@ def _dry_run_report(
         tensors=len(tensors),
         objects=len(entries) - len(tensors),
         tensor_bytes=sum(e.nbytes for e in tensors),
-        raw_copies=0,
+        raw_copies=hows.count("raw"),
         cast=cast,
         casts=sum(1 for i in plan.items if i.cast),
         renamed=sum(1 for e in entries if e.name != e.source),

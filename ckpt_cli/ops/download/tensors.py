@@ -21,7 +21,12 @@ from ...errors import FormatError, Interrupted, NotFoundError
 from ...faults import close_pool
 from ...formats.base import Source, WriteOptions
 from ...formats.names import SAFETENSORS_SUFFIX, is_commit_marker
-from ...formats.safetensors.format import SafetensorsCheckpoint, SafetensorsFormat
+from ...formats.safetensors.format import (
+    SafetensorsCheckpoint,
+    SafetensorsFormat,
+    index_bytes,
+    plan_shards,
+)
 from ...formats.safetensors.header import prefetch_headers, read_header
 from ...formats.torch.format import TorchFormat
 from ...formats.weight_map import INDEX_SUFFIX, find_index, read_index
@@ -235,6 +240,30 @@ class PartialPieces:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _planned_weights(plan: list[Entry], options: WriteOptions) -> list[DownloadFile]:
+    """The safetensors files (index first, as the writer lists them) a tensors-mode download
+    writes for `plan`, with their exact sizes, for a dry run: it listed only the extras, so the
+    weights the run then wrote were in no plan."""
+    assert options.basename is not None
+    groups = plan_shards(plan, options.max_shard_size)
+    names = SafetensorsFormat.shard_names(options.basename, len(groups))
+    files = [
+        DownloadFile(
+            path=name,
+            size=SafetensorsFormat.planned_size(group, options.metadata) or 0,
+            kind="weights",
+            status="planned",
+        )
+        for name, group in zip(names, groups, strict=True)
+    ]
+    if len(groups) > 1:
+        shard_of = {e.name: name for name, group in zip(names, groups, strict=True) for e in group}
+        index = f"{options.basename}{INDEX_SUFFIX}"
+        size = len(index_bytes(plan, shard_of))
+        files.insert(0, DownloadFile(path=index, size=size, kind="index", status="planned"))
+    return files
+
+
 def _ordered_parts(
     storage: HubStorage, ranges: list[DownloadRange], pieces: PartialPieces | None = None
 ) -> Generator[bytes, None, None]:
@@ -388,11 +417,6 @@ def download_tensors(
         report.bytes_planned -= present
         if report.dry_run:
             report.bytes_resumed = present
-    if report.dry_run:
-        report.files = extra_plan
-        return
-    assert dest is not None and pieces is not None
-
     # keep the source's shard size (so the output is sharded like the source) and its names
     if index_rel:
         basename = Path(index_rel).name[: -len(INDEX_SUFFIX)]
@@ -402,7 +426,6 @@ def download_tensors(
         basename = "model"
     order = {name: i for i, name in enumerate(n for r in report.ranges for n in r.tensors)}
     plan = sorted(chosen, key=lambda e: order[e.name])
-    report.integrity = RANGES_HASHED if report.verify_ranges else RANGES_UNHASHED
     # DEST says itself where its bytes came from and what they were checked for
     metadata = dict(manifest.metadata)
     metadata["ckpt.download.source"] = f"hf://{repo.repo_id}@{repo.commit}"
@@ -410,6 +433,12 @@ def download_tensors(
         "ranges-sha256" if report.verify_ranges else "size-and-position"
     )
     options = WriteOptions(max_shard_size=max_shard, metadata=metadata, basename=basename)
+    if report.dry_run:
+        # the files the run writes from the ranges, then the extras it fetches, as it lists them
+        report.files = _planned_weights(plan, options) + extra_plan
+        return
+    assert dest is not None and pieces is not None
+    report.integrity = RANGES_HASHED if report.verify_ranges else RANGES_UNHASHED
     by_name = manifest.by_name
     digests: dict[str, str] = {}
     try:

@@ -55,6 +55,7 @@ from ..shared.transfer import (
     TransferPlan,
     account_files,
     plan_transfer,
+    planned_hows,
     write_checkpoint,
 )
 from .folder import reshard_folder
@@ -163,10 +164,10 @@ def regroup(
 
             convention = apply_naming(source, manifest.format, options)
             check_one_file_naming(convention, plan, options, text, size_optional=False)
+        # the files copied beside the weights, listed after them by the dry run and the run
+        copied = [FileInfo(path=rel, size=source.files.get(rel)) for rel in [*carried, *extra]]
         if dry_run:
             tensors = [i.target for i in plan.items if i.target.kind == "tensor"]
-            # the files copied beside the weights are listed as the real run lists them
-            copied = [FileInfo(path=rel, size=source.files.get(rel)) for rel in [*carried, *extra]]
             return ReshardReport(
                 carried=carried,
                 extras=extra,
@@ -178,6 +179,7 @@ def regroup(
                 tensors=len(tensors),
                 objects=len(plan.items) - len(tensors),
                 tensor_bytes=sum(e.nbytes for e in tensors),
+                raw_copy=planned_hows(checkpoint, fmt, plan, options).count("raw"),
                 max_shard_size=max_shard_size,
                 verified=False,
                 dry_run=True,
@@ -210,7 +212,8 @@ def regroup(
             source=manifest.location,
             destination=str(out),
             format=manifest.format,
-            files=files,
+            # a naming's companions (a PEFT adapter's config and card) the writer listed already
+            files=files + [f for f in copied if f.path not in {w.path for w in files}],
             tensors=sum(1 for w in written if w.kind == "tensor"),
             objects=sum(1 for w in written if w.kind != "tensor"),
             tensor_bytes=sum(w.nbytes for w in written if w.kind == "tensor"),

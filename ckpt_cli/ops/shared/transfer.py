@@ -27,7 +27,7 @@ from ... import dtypes
 from ...dist.command import CombinedProgress, RankShare, Workers, active, split_output
 from ...errors import CkptError, FormatError, NotFoundError, UsageError
 from ...formats import find_format, get_format
-from ...formats.base import Checkpoint, Source, WriteOptions, Writer
+from ...formats.base import Checkpoint, Format, Source, WriteOptions, Writer
 from ...formats.details import TorchDetails
 from ...formats.names import DCP_DATA_SUFFIX, PICKLE_SUFFIX, WEIGHT_SUFFIXES, looks_like_index
 from ...formats.safetensors.format import variant_beside_default
@@ -523,6 +523,36 @@ def _partial_chunks(writer: Writer, name: str) -> list[tuple[int, list[int], lis
     return mine if len(mine) < len(chunks) else None
 
 
+def copies_raw(checkpoint: Checkpoint, item: Item, accepts_raw: bool) -> bool:
+    """Whether `copy_entries` copies `item` as raw bytes (no tensor built): no cast, a writer
+    that `accepts_raw`, and a source that serves the entry's raw bytes."""
+    return item.cast is None and accepts_raw and checkpoint.serves_raw(item.read_name)
+
+
+def planned_hows(
+    checkpoint: Checkpoint, fmt: type[Format], plan: TransferPlan, options: WriteOptions
+) -> list[str]:
+    """How `copy_entries` would write each item of `plan` into a `fmt` writer built with
+    `options` (`WrittenEntry.how`, in plan order), for a dry run to report what the real run
+    does: a dry run that said `tensor` and 0 raw copies where the run copies raw bytes told a
+    user to expect a deserialising copy.
+
+    The writer is built and asked, never written to: writers open their files on first use,
+    so nothing is created (the staging folder named does not exist)."""
+    writer = fmt.writer(Path(os.devnull) / "dry-run", [i.target for i in plan.items], options)
+    accepts = writer.accepts_raw
+    return [
+        "object"
+        if item.target.kind != "tensor"
+        else "raw"
+        if copies_raw(checkpoint, item, accepts)
+        else "cast"
+        if item.cast
+        else "tensor"
+        for item in plan.items
+    ]
+
+
 def copy_entries(
     checkpoint: Checkpoint,
     writer: Writer,
@@ -543,7 +573,7 @@ def copy_entries(
     written: list[str] = []
     for item in items:
         source, target = item.source, item.target
-        raw = item.cast is None and writer.accepts_raw and checkpoint.serves_raw(item.read_name)
+        raw = copies_raw(checkpoint, item, writer.accepts_raw)
         partial = _partial_chunks(writer, target.name) if target.kind == "tensor" else None
         if partial is not None:
             from ...tensors import torch_dtype

@@ -40,6 +40,8 @@ travels with it like any other file.
 
 from __future__ import annotations
 
+import errno
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -169,6 +171,13 @@ def sync_with(
             path=dest,
             fix="Name a folder (it is created if missing).",
         )
+    if down:
+        # the folders of DEST are created if missing, and cannot be under a file: the pull
+        # failed there (exit 74) after its dry run had planned it
+        above = next((p for p in Path(dest).absolute().parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            refused = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(above))
+            raise faults.io_failure(refused, doing=f"creating {dest} under it")
     if latest_only and up:
         raise UsageError(
             "--latest applies when pulling (SRC remote, DEST local)",
