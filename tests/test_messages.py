@@ -633,9 +633,10 @@ def test_every_refusal_names_the_choices_and_a_fix(tmp_path: Path) -> None:
 def test_a_json_component_past_the_entry_budget_is_refused_naming_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A `trainer_state.json` is flattened into one entry per value, as a torch.save dict is:
-    a 6.6 MB log of 300,000 rows took 1.3 GB. It has the torch flattening's entry budget
-    (1,000,000; lowered here so the test stays small)."""
+    """A `trainer_state.json` is flattened into one entry per value, as a torch.save dict is
+    (its `log_history` is one value, however long): a 64 MiB file of other values would name
+    millions. It has the torch flattening's entry budget (1,000,000; lowered here so the test
+    stays small)."""
     import torch
 
     from ckpt_cli.formats.torch import flatten
@@ -646,7 +647,9 @@ def test_a_json_component_past_the_entry_budget_is_refused_naming_it(
     _model(save / "model.safetensors")
     torch.save({"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}, save / "optimizer.pt")
     rows = ",".join(['{"loss": 1.0, "step": 1}'] * 600)
-    (save / "trainer_state.json").write_text('{"global_step": 1, "log_history": [' + rows + "]}")
+    (save / "trainer_state.json").write_text(
+        '{"global_step": 1, "log_history": [], "trial_params": {"runs": [' + rows + "]}}"
+    )
     result = run_ckpt("verify", save, "--json")
     assert result.exit_code == 1, result.stdout
     messages = [p["message"] for p in result.json["result"]["problems"]]

@@ -7,6 +7,7 @@ Entry names are `<component>.<name inside the component>` (see `ckpt_cli.sources
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -64,13 +65,16 @@ class ObjectsCheckpoint(Checkpoint):
             raise NotFoundError(
                 f"no entry named {name!r}", path=self.manifest.location, fix=NAMES_FIX
             )
-        return json.loads(json.dumps(self.leaves[name]))  # a copy callers may change
+        # a copy callers may change; of parsed JSON, pickle's copy is JSON's, 10x faster (a
+        # 300,000-row `log_history`: 0.2 s, not 1.7 s)
+        return pickle.loads(pickle.dumps(self.leaves[name], protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _json_container(node: Any) -> str | None:
     """How a JSON value is flattened; the rules of `torch_save.flatten` (dicts with keys, lists
-    holding a dict at any depth are containers; other lists are one value), so a JSON
-    component and the same values after `convert --to torch` have the same entry names."""
+    holding a dict at any depth are containers; other lists are one value, and so is a log such
+    as `log_history`, which `_flatten_json` keeps whole), so a JSON component and the same values
+    after `convert --to torch` have the same entry names."""
     if isinstance(node, dict):
         return "dict" if node else None
     if isinstance(node, list) and node:
@@ -86,12 +90,14 @@ def _json_container(node: Any) -> str | None:
 
 
 def _flatten_json(doc: dict[str, Any]) -> Iterator[tuple[tuple[tuple[str, Any], ...], Any]]:
+    from ...formats.torch.flatten import is_log
+
     stack: list[tuple[tuple[tuple[str, Any], ...], Any]] = [
         ((("dict", str(k)),), v) for k, v in reversed(list(doc.items()))
     ]
     while stack:
         path, node = stack.pop()
-        kind = _json_container(node)
+        kind = None if is_log(path[-1][1], node) else _json_container(node)
         if kind is None:
             yield path, node
             continue
@@ -102,8 +108,9 @@ def _flatten_json(doc: dict[str, Any]) -> Iterator[tuple[tuple[tuple[str, Any], 
 
 def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
     """A JSON file (`trainer_state.json`) as object entries, flattened like a torch.save dict
-    (`log_history.0.loss`), each entry remembering its key path for the torch writer."""
-    from ...formats.torch.flatten import MAX_LEAVES
+    (`global_step`, `stateful_callbacks.TrainerControl.args.should_save`; its `log_history` one
+    entry, however long), each entry remembering its key path for the torch writer."""
+    from ...formats.torch.flatten import MAX_LEAVES, is_log
     from ...formats.torch.format import TorchEntry
 
     where = source.storage.describe(rel)
@@ -140,6 +147,10 @@ def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
             name, n = f"{base}~{n}", n + 1
         leaves[name] = value
         scalar = value is None or isinstance(value, (bool, int, float, str))
+        # a log's size as `convert --to torch` writes it (pickled): 0.2 s for 300,000 rows,
+        # where dumping it as JSON again took 1 s
+        log = is_log(path[-1][1], value)
+        nbytes = len(pickle.dumps(value, protocol=4)) if log else len(json.dumps(value))
         entries.append(
             TorchEntry.of(
                 {
@@ -147,7 +158,7 @@ def json_component(source: Source, rel: str) -> ObjectsCheckpoint:
                     "kind": "object",
                     "dtype": None,
                     "shape": [],
-                    "nbytes": len(json.dumps(value)),
+                    "nbytes": nbytes,
                     "file": rel,
                     "offset": None,
                     "chunks": None,

@@ -11,7 +11,13 @@ from ...formats.names import SLIM_RECORD
 from ...models import Problem
 from ...sizes import counted
 from .base import Layout, OpenedSource
-from .composite import Folder, component_files, component_prefixes, trainer_progress
+from .composite import (
+    Folder,
+    ObjectsCheckpoint,
+    component_files,
+    component_prefixes,
+    trainer_progress,
+)
 from .ranks import missing_rank_files, missing_rank_states, ranks_lost_since, saved_world
 from .save_before import save_before
 from .training import analyse, finish, per_rank_models
@@ -39,7 +45,7 @@ class Trainer(Layout):
         """The Trainer resumes by skipping `global_step` batches of its data loader, each of
         `train_batch_size` samples per rank (times gradient accumulation): at another world
         size those batches are other samples."""
-        from .composite import CompositeCheckpoint, ObjectsCheckpoint
+        from .composite import CompositeCheckpoint
 
         checkpoint = opened.checkpoint
         if not isinstance(checkpoint, CompositeCheckpoint) or before == after:
@@ -490,12 +496,17 @@ def foreign_trainer_state(source: Source, folder: Folder) -> list[Problem]:
     if not folder.has("trainer_state.json"):
         return []
     rel = folder.rel("trainer_state.json")
-    if source.storage.size(rel) > 64 << 20:
+    opened = folder.components.get("trainer_state")
+    doc: Any
+    if isinstance(opened, ObjectsCheckpoint):
+        doc = opened.values  # parsed once: a long log takes a second to parse
+    elif source.storage.size(rel) > 64 << 20:
         return []  # past what ckpt reads of a trainer_state.json: the component check says so
-    try:
-        doc = json.loads(source.storage.read_all(rel))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return []
+    else:
+        try:
+            doc = json.loads(source.storage.read_all(rel))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return []
     step = doc.get("global_step") if isinstance(doc, dict) else None
     if isinstance(doc, dict) and "global_step" not in doc:
         # every Trainer writes it (`TrainerState` dumps all its fields): a key damaged in
