@@ -34,6 +34,7 @@ from ... import dtypes
 from ...budgets import BudgetedUnpickler, read_member
 from ...dtypes import STORAGE_DTYPES
 from ...errors import CkptError, FormatError
+from .preflight import Opaque
 
 if TYPE_CHECKING:
     from ...storage.base import Storage
@@ -298,30 +299,15 @@ class PickledObject:
     objects: dict[str, str] = field(default_factory=dict)
 
 
-class _Stand:
+class _Stand(Opaque):
     """Any global of the pickle and what it builds: keeps the state BUILD hands it, runs
     nothing (the class it stands for is never imported)."""
 
     original: ClassVar[str] = ""
     state: Any = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
     def __setstate__(self, state: Any) -> None:
         self.state = state
-
-    def __call__(self, *args: Any, **kwargs: Any) -> _Stand:
-        return _Stand()
-
-    def append(self, value: Any) -> None:
-        pass
-
-    def extend(self, values: Any) -> None:
-        pass
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
 
 
 class _ObjectUnpickler(BudgetedUnpickler):

@@ -52,17 +52,17 @@ class _Refused(Exception):
     """A call of the pickle asks for what its bytes do not hold (args: why)."""
 
 
-class _Opaque:
+class Opaque:
     """Any global not checked here, and what it builds: accepts every call the unpickler makes."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Opaque:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
         return object.__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __call__(self, *args: Any, **kwargs: Any) -> _Opaque:
-        return _Opaque()
+    def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
+        return Opaque()
 
     def __setstate__(self, state: Any) -> None:
         pass
@@ -89,7 +89,7 @@ def _sized(value: Any) -> int | None:
     return None
 
 
-class _Constructor(_Opaque):
+class _Constructor(Opaque):
     """A tensor or storage class (`torch.FloatTensor`, `torch.storage.UntypedStorage`...): fine
     as a value (a storage's type, `_rebuild_from_type_v2`'s new type), refused when called with
     a size, which allocates that many uninitialised elements."""
@@ -118,17 +118,17 @@ def _bytearray(*args: Any) -> Any:
     for arg in args:
         if type(arg) is int:
             raise _Refused(f"calls bytearray({arg:,}), which fills {arg:,} bytes of memory")
-    return _Opaque()
+    return Opaque()
 
 
 def _encode(text: Any, encoding: Any = "utf-8", *rest: Any) -> Any:
     """`_codecs.encode(text, "latin1")`: how protocol 2 spells bytes (a numpy array's data)."""
     if isinstance(text, str) and encoding in ("latin1", "latin-1"):
         return text.encode("latin1")
-    return _Opaque()
+    return Opaque()
 
 
-class _ArrayState(_Opaque):
+class _ArrayState(Opaque):
     """numpy's `_reconstruct(ndarray, (0,), b'b')` (how `ndarray.__reduce__` starts an array):
     its state is checked against what it carries; nothing of numpy runs on it."""
 
@@ -221,7 +221,7 @@ def _numpy_globals() -> dict[str, Any]:
         if key.endswith("._reconstruct"):
             named[key] = _reconstruct
         elif key.endswith(".scalar"):
-            named[key] = _Opaque
+            named[key] = Opaque
         else:
             named[key] = obj
     return named
@@ -249,13 +249,13 @@ class _PreflightUnpickler(BudgetedUnpickler):
         if plain is not None:
             return plain
         if module.startswith("numpy"):
-            return _numpy_globals().get(f"{module}.{name}", _Opaque)
+            return _numpy_globals().get(f"{module}.{name}", Opaque)
         if module.startswith("torch") and (name.endswith(("Tensor", "Storage"))):
             return _constructor(f"{module}.{name}")
-        return _Opaque
+        return Opaque
 
     def persistent_load(self, pid: Any) -> Any:
-        return _Opaque()
+        return Opaque()
 
 
 def _refused(why: str, where: str) -> FormatError:
