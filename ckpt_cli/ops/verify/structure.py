@@ -18,7 +18,6 @@ from ...sources.opening import (
     recognise_layout,
     single_layout_missing,
 )
-from ...sources.runs.naming import MEGATRON
 
 
 def structural_errors(source: Source) -> list[Problem]:
@@ -50,7 +49,10 @@ def structure_checks(
         name = format_of(source, format)
     except MissingRanksError as error:
         # a legacy Megatron-LM save that lost rank folders: a finding (exit 1), as a missing
-        # shard is, where inspect and convert refuse it
+        # shard is, where inspect and convert refuse it (the run folders' names imported here
+        # alone: a plain model's verify never loads them, start-up #30)
+        from ...sources.runs.naming import MEGATRON
+
         return MEGATRON, source, ProblemList([problem_from_error(error)])
     fmt = get_format(name)
     # SRC named the .metadata or one .distcp file: the checkpoint is the folder
