@@ -125,3 +125,22 @@ def test_diff_of_two_saves_with_the_same_long_log_is_bounded(
     result = run_bounded(tmp_path, "diff", long_log_save, copy, cpu_s=60)
     assert result.code == 0, result.stdout[-2000:] + result.stderr
     assert "IDENTICAL" in result.stdout
+
+
+def test_an_entry_read_from_trainer_state_is_a_copy_the_caller_may_change() -> None:
+    """`read_object` of a JSON component hands out a copy (parsed JSON, copied without pickle
+    and without recursion): changing it leaves the checkpoint's own value as read."""
+    from ckpt_cli.sources.layouts.composite import copy_json
+
+    log = [{"loss": 1.5, "step": 1, "tags": ["a", {"b": None}]}, {"loss": -0.0, "step": 2}]
+    copied = copy_json(log)
+    assert copied == log and json.dumps(copied) == json.dumps(log)
+    copied[0]["tags"][1]["b"] = 7
+    copied.append({})
+    assert log[0]["tags"][1] == {"b": None} and len(log) == 2
+    deep: list[object] = []
+    node = deep
+    for _ in range(50_000):  # deeper than Python's recursion limit
+        node.append([])
+        node = node[0]  # type: ignore[assignment]
+    assert copy_json(deep) is not deep and copy_json({"x": 1, "y": [2]}) == {"x": 1, "y": [2]}
