@@ -11,7 +11,9 @@ Run in its own process (torchtitan's imports are heavy and register hooks):
         `StateDictAdapter.to_hf` of the model's state dict: the bytes an export must equal);
         for `deepseek-v3` and `qwen3.5(-moe)` also `flavor_config.json`, the config.json
         `--flavor` builds from the torchtitan model's config (`args_from_torchtitan`); for
-        `qwen3.5(-moe)` also `state.pt`, the model's state dict as saved
+        `qwen3.5(-moe)` also `state.pt`, the model's state dict as saved, `config_vlm.json`
+        (Qwen's own config.json layout: `text_config` and `vision_config`) and `vision.pt`
+        (torchtitan's vision encoder on one image's patches: `vision_reference`)
     python tests/torchtitan_arch_script.py save-balanced FAMILY RUN OUT
         as `save`, but with torchtitan's own MoE load-balancing hook registered on the
         optimizer (as its Trainer does) and three steps taken, so each MoE layer's
@@ -20,7 +22,10 @@ Run in its own process (torchtitan's imports are heavy and register hooks):
         builds a fresh FAMILY model (seed 1), restores RUN/checkpoint/step-0 with
         `CheckpointManager.load(step=0)` (torchtitan's model-only load of a converted model),
         writes `OUT/loaded_logits.pt`, then takes one training step and writes
-        `OUT/trained.pt` (the loss and whether every parameter moved)
+        `OUT/trained.pt` (the loss and whether every parameter moved); a Qwen3.5 is its
+        language model alone
+    python tests/torchtitan_arch_script.py load-vision FAMILY RUN OUT
+        as `load`, a Qwen3.5 with its vision encoder, and `OUT/loaded_vision.pt` beside
 
 FAMILY is `llama3` (dim 32, 4 heads over 2 KV heads, llama3 rope scaling), `qwen3` (q/k norms),
 `qwen3.5` / `qwen3.5-moe` (three GatedDeltaNet layers and one gated full-attention layer with
@@ -189,6 +194,49 @@ def _qwen35_hf_config(family: str) -> dict[str, Any]:
         config.architectures = ["Qwen3_5MoeForCausalLM"]
     out: dict[str, Any] = json.loads(config.to_json_string())
     return out
+
+
+#: the tiny vision encoder of `_qwen35_config`, as transformers' `vision_config` says it
+Q35_VISION = {
+    "depth": 1,
+    "hidden_size": 16,
+    "hidden_act": "gelu_pytorch_tanh",
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "in_channels": 3,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": DIM,
+    "num_position_embeddings": 16,
+}
+#: one image of 4 x 4 patches (each 3 channels x 2 frames x 4 x 4 pixels)
+Q35_GRID = [[1, 4, 4]]
+
+
+def _qwen35_vlm_config(family: str) -> dict[str, Any]:
+    """Qwen's own config.json layout of the same model: language model and vision encoder."""
+    import transformers
+
+    text = _qwen35_hf_config(family)
+    text.pop("architectures", None)
+    kind = "Qwen3_5MoeConfig" if family == "qwen3.5-moe" else "Qwen3_5Config"
+    config = getattr(transformers, kind)(
+        text_config=text, vision_config=dict(Q35_VISION), tie_word_embeddings=False
+    )
+    config.architectures = [kind.replace("Config", "ForConditionalGeneration")]
+    out: dict[str, Any] = json.loads(config.to_json_string())
+    return out
+
+
+def vision_reference(model: Any) -> dict[str, torch.Tensor]:
+    """torchtitan's vision encoder on one image's patches: what transformers' must give."""
+    grid = torch.tensor(Q35_GRID)
+    width = 3 * 2 * 4 * 4
+    pixels = torch.randn(16, width, generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        out = model.vision_encoder(pixels.unsqueeze(0), grid_thw=grid)[0]
+    return {"pixels": pixels, "grid": grid, "out": out}
 
 
 def forward(family: str, model: Any, tokens: torch.Tensor) -> torch.Tensor:
@@ -542,6 +590,9 @@ def save(family: str, run: Path, out: Path, *, balanced: bool = False) -> None:
         assert args is not None
         built = args.config
         (out / "flavor_config.json").write_text(json.dumps(built, indent=2))
+    if family.startswith("qwen3.5"):
+        (out / "config_vlm.json").write_text(json.dumps(_qwen35_vlm_config(family), indent=2))
+        torch.save(vision_reference(model), out / "vision.pt")
     with torch.no_grad():
         torch.save(forward(family, model, ids_of(family)), out / "logits.pt")
     if not reference:
@@ -553,8 +604,11 @@ def save(family: str, run: Path, out: Path, *, balanced: bool = False) -> None:
     save_file({k: v.contiguous() for k, v in hf.items()}, out / "to_hf.safetensors")
 
 
-def load(family: str, run: Path, out: Path) -> None:
-    model, optimizers, manager = build(family, run, seed=1, text_only=family.startswith("qwen3.5"))
+def load(family: str, run: Path, out: Path, *, vision: bool = False) -> None:
+    """Load step-0 of `run` (a Qwen3.5's language model alone, or with its vision encoder:
+    `vision`) and train a step from it."""
+    text_only = family.startswith("qwen3.5") and not vision
+    model, optimizers, manager = build(family, run, seed=1, text_only=text_only)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     assert manager.load(step=0), f"no checkpoint step-0 under {run}"
     manager.close()
@@ -563,9 +617,13 @@ def load(family: str, run: Path, out: Path) -> None:
     with torch.no_grad():
         torch.save(forward(family, model, ids_of(family)), out / "loaded_logits.pt")
     torch.save(loaded, out / "loaded_state.pt")
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    if vision:
+        torch.save(vision_reference(model), out / "loaded_vision.pt")
+    # a text step trains the language model (the vision encoder sees no image)
+    trained = {k: v for k, v in model.named_parameters() if not k.startswith("vision_encoder.")}
+    params = {k: v.detach().clone() for k, v in trained.items()}
     loss = train_step(model, optimizers, family)
-    moved = all(not torch.equal(v, params[k]) for k, v in model.named_parameters())
+    moved = all(not torch.equal(v, params[k]) for k, v in trained.items())
     restored = any(not torch.equal(before[k], loaded[k]) for k in loaded)
     torch.save({"loss": loss, "moved": moved, "restored": restored}, out / "trained.pt")
 
@@ -573,7 +631,7 @@ def load(family: str, run: Path, out: Path) -> None:
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
     mode, family, run, out = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
-    if mode == "load":
-        load(family, run, out)
+    if mode in ("load", "load-vision"):
+        load(family, run, out, vision=mode == "load-vision")
     else:
         save(family, run, out, balanced=mode == "save-balanced")

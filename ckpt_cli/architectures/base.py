@@ -250,6 +250,9 @@ class MappedTensor:
             `unstack-experts`, `stack-experts`...).
         axis: the dim `concat` joins the pieces along (0: rows; 1: Qwen3.5's experts' gate
             and up projections side by side in one `[E, 2F, D]` tensor).
+        reshape: the combined tensor is viewed as `shape`, its elements in the same order
+            (torchtitan's `Linear` patch embedding `[out, C*T*P*P]` is transformers'
+            `Conv3d` weight `[out, C, T, P, P]`): the same bytes under another shape.
     """
 
     name: str
@@ -261,11 +264,13 @@ class MappedTensor:
     heads: int = 0
     transform: str = "rename"
     axis: int = 0
+    reshape: bool = False
 
     @property
     def verbatim(self) -> bool:
-        """The output is one whole source tensor's bytes unchanged (a raw copy can serve it)."""
-        if len(self.pieces) != 1 or self.combine != "one":
+        """The output is one whole source tensor unchanged, shape and all (its source's entry
+        can stand for it; a reshaped one is the same bytes under a shape of its own)."""
+        if len(self.pieces) != 1 or self.combine != "one" or self.reshape:
             return False
         return self.pieces[0].offsets is None and self.permute is None
 
@@ -298,6 +303,8 @@ class MappedTensor:
         del parts
         if self.permute is not None:
             out = rotary_permute(out, self.heads, self.permute)
+        if self.reshape:
+            out = out.reshape(self.shape)
         return out.contiguous()
 
 
@@ -628,11 +635,6 @@ class Architecture(ABC):
             HF naming stores no output projection (an export drops it, as torchtitan's own
             `to_hf` does) and a native one holds it as a copy of the embedding (an import
             writes it from the embedding's bytes).
-        unmapped: naming -> modules a checkpoint of this family may hold that no rule maps
-            (Qwen3.5's vision encoder), as `Ignored` prefixes: recognition passes over them,
-            `plan` refuses a source holding them (naming them and the `--filter-out` that
-            leaves them out: a conversion never drops a module quietly), and `diff` leaves
-            them out of a comparison across namings, named (`unmapped_of`).
     """
 
     name: ClassVar[str]
@@ -647,7 +649,6 @@ class Architecture(ABC):
     layer_variants: ClassVar[Sequence[Sequence[str]]] = ()
     torchtitan_models: ClassVar[str | None] = None
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
-    unmapped: ClassVar[Mapping[str, Sequence[Ignored]]] = {}
     #: naming -> patterns of tensors a `--dtype` cast leaves as stored: routing state the
     #: model keeps in float32 whatever its weights' dtype (DeepSeek-V3's router bias)
     float32: ClassVar[Mapping[str, Sequence[str]]] = {}
@@ -712,19 +713,7 @@ class Architecture(ABC):
     def _patterns(cls, naming: str) -> list[re.Pattern[str]]:
         """Every rule and ignore pattern of `naming`'s side, compiled."""
         side = [compile_pattern(p) for _, _, p in cls._side(naming)]
-        passed = (*cls.ignored.get(naming, ()), *cls.unmapped.get(naming, ()))
-        return side + [i.regex() for i in passed]
-
-    @classmethod
-    def unmapped_of(cls, names: Sequence[str], naming: str) -> list[tuple[str, Ignored]]:
-        """(name, its `unmapped` entry) of each of `names` (in `naming`) no rule maps."""
-        patterns = [(i.regex(), i) for i in cls.unmapped.get(naming, ())]
-        out: list[tuple[str, Ignored]] = []
-        for name in names:
-            found = next((i for regex, i in patterns if regex.match(name)), None)
-            if found is not None:
-                out.append((name, found))
-        return out
+        return side + [i.regex() for i in cls.ignored.get(naming, ())]
 
     @classmethod
     def covers_every(cls, names: Sequence[str], naming: str) -> bool:
@@ -821,6 +810,18 @@ class Architecture(ABC):
         model from it)."""
 
     @classmethod
+    def fit_config(cls, config: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+        """The `config.json` (`hf_config`'s) of an export holding the tensors `names` (Hugging
+        Face names): as it is by default. A family whose config describes a module a model
+        may be exported without (Qwen3.5's vision encoder) describes the modules held, so
+        `from_pretrained` builds no module at random.
+
+        Raises:
+            FormatError: the export holds a module the config does not describe.
+        """
+        return config
+
+    @classmethod
     def plan(
         cls,
         entries: Sequence[tuple[str, Sequence[int], str]],
@@ -844,19 +845,6 @@ class Architecture(ABC):
             raise FormatError(
                 f"{cls.title} has no mapping from the {source} naming to the {target} naming",
                 fix=f"Its namings: {', '.join(cls.namings())}.",
-            )
-        unmapped = cls.unmapped_of([n for n, _, _ in entries], source)
-        if unmapped:
-            shown = ", ".join(repr(n) for n, _ in unmapped[:3])
-            more = f" and {len(unmapped) - 3} more" if len(unmapped) > 3 else ""
-            modules = list(dict.fromkeys(i for _, i in unmapped))
-            globs = " ".join(f"--filter-out '{i.pattern}*'" for i in modules)
-            raise FormatError(
-                f"{len(unmapped)} tensor(s) of {cls.title}'s "
-                f"{' and '.join(i.reason for i in modules)} have no rule from the {source} "
-                f"naming to the {target} naming: {shown}{more}",
-                fix=f"Leave them out with {globs} to convert the rest of the model alone, or "
-                "convert with --to safetensors / dcp to keep every tensor under its name.",
             )
         native = source if target == HF else target
         direction: Direction = "to_hf" if target == HF else "from_hf"

@@ -21,10 +21,14 @@ One departure from torchtitan 0.3.0's adapter: it transposes the stacked experts
 as a size mismatch; the layout here is the one `from_pretrained` loads and computes the
 torchtitan logits with.
 
-The vision encoder (`vision_encoder.*`, `model.visual.*`) is not mapped (`unmapped`): a save
-holding it is recognised (`inspect` names the family), its conversion to another naming is
-refused, naming the tensors and the `--filter-out` that exports the language model alone, and
-`diff` across namings compares the language model, naming the encoder's tensors left out.
+The vision encoder (`vision_encoder.*` against `model.visual.*`, as torchtitan's adapter maps
+it): blocks, norms and merger renamed (its blocks numbered by `{block}`, apart from the
+language model's layers); each block's separate `wq/wk/wv` weights and biases are the fused
+`attn.qkv` (`VisionQKV`); the patch embedding is torchtitan's `Linear` `[out, C*T*P*P]` and
+transformers' `Conv3d` `[out, C, T, P, P]`, the same bytes (`PatchEmbedding`, which reads C,
+T and P from the config's `vision_config`). An export holding the encoder writes the
+`Qwen3_5ForConditionalGeneration` config (`text_config` and `vision_config`); one without it
+(`--filter-out 'vision_encoder.*'`) writes the language model's (`fit_config`).
 
 A torchtitan save holds no config, and Qwen3.5's (linear-attention heads, partial rotary,
 layer types) is not in the weights: `--config` or `--flavor` gives it (`hf_config`).
@@ -52,6 +56,7 @@ from .base import (
     Piece,
     Rename,
     TensorRule,
+    compile_pattern,
     one,
 )
 
@@ -120,12 +125,31 @@ _GATE_UP = (
     ),
 )
 
-#: the vision encoder, which no rule maps (`Architecture.unmapped`)
-_VISION = "vision encoder (ckpt maps the language model only)"
-_UNMAPPED = {
-    HF: (Ignored("model.visual.", _VISION, prefix=True),),
-    TITAN: (Ignored("vision_encoder.", _VISION, prefix=True),),
-}
+#: the vision encoder: its blocks are numbered apart from the language model's layers
+_VB = "model.visual.blocks.{block}."
+_VT = "vision_encoder.layers.{block}."
+_VISION = (
+    ("model.visual.patch_embed.proj.bias", "vision_encoder.patch_embed.bias"),
+    ("model.visual.pos_embed.weight", "vision_encoder.pos_embed"),
+    *(
+        (f"{_VB}{module}.{kind}", f"{_VT}{module}.{kind}")
+        for module in ("norm1", "norm2", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")
+        for kind in ("weight", "bias")
+    ),
+    *(
+        (f"model.visual.merger.{module}.{kind}", f"vision_encoder.merger.{module}.{kind}")
+        for module in ("norm", "linear_fc1", "linear_fc2")
+        for kind in ("weight", "bias")
+    ),
+)
+_VISION_QKV = (
+    (_VB + "attn.qkv.weight", _VB + "attn.qkv.bias"),
+    tuple(_VT + f"attn.{w}.{kind}" for kind in ("weight", "bias") for w in ("wq", "wk", "wv")),
+)
+_PATCH_EMBED = ("model.visual.patch_embed.proj.weight", "vision_encoder.patch_embed.weight")
+#: the HF side's vision patterns: a text-only model holds none of them
+_VISION_HF = (*(hf for hf, _ in _VISION), *_VISION_QKV[0], _PATCH_EMBED[0])
+_VISION_TITAN = (*(tt for _, tt in _VISION), *_VISION_QKV[1], _PATCH_EMBED[1])
 
 _HF_IGNORED = (
     Ignored(_H + "self_attn.rotary_emb.inv_freq", "rotary table (rebuilt)"),
@@ -156,20 +180,28 @@ def _renames(pairs: Sequence[tuple[str, str]]) -> list[TensorRule]:
     return [Rename(one(hf), one(native)) for hf, native in pairs]
 
 
-def _by_layer(matches: Sequence[Match]) -> dict[int, dict[int, Match]]:
-    """Each layer's matches by the index of the pattern they matched."""
+def _by_layer(matches: Sequence[Match], key: str = "layer") -> dict[int, dict[int, Match]]:
+    """Each layer's (or vision block's: `key`) matches by the index of the pattern they
+    matched."""
     out: dict[int, dict[int, Match]] = {}
     for m in matches:
-        out.setdefault(m.groups["layer"], {})[m.pattern] = m
+        out.setdefault(m.groups[key], {})[m.pattern] = m
     return out
 
 
-def _complete(layer: int, have: Mapping[int, Match], patterns: Sequence[str], what: str) -> None:
+def _complete(
+    layer: int,
+    have: Mapping[int, Match],
+    patterns: Sequence[str],
+    what: str,
+    key: str = "layer",
+) -> None:
     """FormatError naming the first of `patterns` layer `layer` lacks (`have`: by index)."""
-    lacking = [p.format(layer=layer) for i, p in enumerate(patterns) if i not in have]
+    lacking = [p.format(**{key: layer}) for i, p in enumerate(patterns) if i not in have]
     if lacking:
+        unit = "vision block" if key == "block" else "layer"
         raise FormatError(
-            f"{lacking[0]!r} is missing, so layer {layer}'s {what} cannot be mapped (its "
+            f"{lacking[0]!r} is missing, so {unit} {layer}'s {what} cannot be mapped (its "
             "parts are one tensor in the other naming)",
             fix="Convert the complete checkpoint (every shard of it), with every tensor of "
             "each layer (no --filter / --filter-out that leaves one out).",
@@ -324,6 +356,141 @@ class FusedExperts(TensorRule):
         return out
 
 
+@dataclass(frozen=True)
+class VisionQKV(TensorRule):
+    """A vision block's attention q/k/v: torchtitan's separate `wq/wk/wv` (weights, then
+    biases) are transformers' fused `attn.qkv`, rows `[q | k | v]` of one width each, as
+    torchtitan's adapter concatenates and chunks them."""
+
+    @property
+    def transform(self) -> str:
+        return "fuse-qkv"
+
+    def plan(
+        self, matches: Sequence[Match], direction: Direction, args: ModelArgs, family: str
+    ) -> list[MappedTensor]:
+        out: list[MappedTensor] = []
+        for block, have in sorted(_by_layer(matches, "block").items()):
+            sources = self.source_patterns(direction)
+            _complete(block, have, sources, "attention q/k/v", "block")
+            if direction == "to_hf":
+                for fused, parts in ((0, (0, 1, 2)), (1, (3, 4, 5))):
+                    first = have[parts[0]]
+                    if any(have[p].shape != first.shape for p in parts):
+                        raise FormatError(
+                            f"{first.name!r} and the other q/k/v of vision block {block} "
+                            "differ in shape: they are not one attention's projections",
+                            fix="Convert a checkpoint as torchtitan saved it.",
+                        )
+                    out.append(
+                        MappedTensor(
+                            name=self.hf[fused].format(block=block),
+                            shape=(3 * first.shape[0], *first.shape[1:]),
+                            dtype=first.dtype,
+                            pieces=tuple(Piece(have[p].name) for p in parts),
+                            combine="concat",
+                            transform="fuse-qkv",
+                        )
+                    )
+                continue
+            for qkv, parts in ((have[0], (0, 1, 2)), (have[1], (3, 4, 5))):
+                rows = qkv.shape[0] if qkv.shape else 0
+                width, odd = divmod(rows, 3)
+                if not width or odd:
+                    raise FormatError(
+                        f"{qkv.name!r} has {rows} rows, which are not q, k and v of one width each",
+                        fix="Convert a checkpoint as its framework saved it.",
+                    )
+                rest = tuple(qkv.shape[1:])
+                for i, part in enumerate(parts):
+                    out.append(
+                        MappedTensor(
+                            name=self.native[part].format(block=block),
+                            shape=(width, *rest),
+                            dtype=qkv.dtype,
+                            pieces=(
+                                Piece(qkv.name, (i * width, *(0 for _ in rest)), (width, *rest)),
+                            ),
+                            transform="split-qkv",
+                        )
+                    )
+        return out
+
+
+@dataclass(frozen=True)
+class PatchEmbedding(TensorRule):
+    """The vision encoder's patch embedding: torchtitan's `Linear` `[out, C*T*P*P]` (patches
+    cut by the collator) is transformers' `Conv3d` `[out, C, T, P, P]` with a kernel of one
+    whole patch, the same elements in the same order. C, T and P are the config's
+    `vision_config` `in_channels`, `temporal_patch_size` and `patch_size`: the flat width
+    alone cannot tell them apart."""
+
+    @property
+    def transform(self) -> str:
+        return "reshape"
+
+    def plan(
+        self, matches: Sequence[Match], direction: Direction, args: ModelArgs, family: str
+    ) -> list[MappedTensor]:
+        out: list[MappedTensor] = []
+        for m in matches:
+            if direction == "to_hf":
+                shape = _conv_shape(m, args, family)
+            else:
+                if len(m.shape) != 5:
+                    raise FormatError(
+                        f"{m.name!r} {list(m.shape)} is not a Conv3d weight [out, channels, "
+                        "temporal patch, patch, patch]",
+                        fix="Convert a checkpoint as its framework saved it.",
+                    )
+                shape = (m.shape[0], math.prod(m.shape[1:]))
+            out.append(
+                MappedTensor(
+                    name=self.target_patterns(direction)[0],
+                    shape=shape,
+                    dtype=m.dtype,
+                    pieces=(Piece(m.name),),
+                    transform="reshape",
+                    reshape=True,
+                )
+            )
+        return out
+
+
+def _conv_shape(m: Match, args: ModelArgs, family: str) -> tuple[int, ...]:
+    """transformers' Conv3d shape of torchtitan's flat patch embedding `m`."""
+    config = args.config or {}
+    vision = config.get("vision_config")
+    keys = ("in_channels", "temporal_patch_size", "patch_size")
+    said = [vision.get(k) for k in keys] if isinstance(vision, dict) else []
+    values = [v for v in said if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    if len(values) != len(keys):
+        raise FormatError(
+            f"{m.name!r} is the vision encoder's patch embedding, and the config gives no "
+            "vision_config (in_channels, temporal_patch_size, patch_size) to shape it as "
+            f"{family}'s Conv3d weight",
+            fix="Pass the model's config.json (with its vision_config) with --config, or "
+            "--flavor; or leave the vision encoder out with --filter-out 'vision_encoder.*' to "
+            "export the language model alone.",
+        )
+    channels, temporal, patch = values
+    if len(m.shape) != 2 or m.shape[1] != channels * temporal * patch * patch:
+        raise FormatError(
+            f"{m.name!r} {list(m.shape)} is not [out, in_channels x temporal_patch_size x "
+            f"patch_size^2] = [out, {channels * temporal * patch * patch}] as the config's "
+            "vision_config says",
+            fix="Pass the config.json of the model this checkpoint holds.",
+        )
+    return (m.shape[0], channels, temporal, patch, patch)
+
+
+_VISION_RULES: tuple[TensorRule, ...] = (
+    *_renames(_VISION),
+    VisionQKV(*_VISION_QKV),
+    PatchEmbedding(one(_PATCH_EMBED[0]), one(_PATCH_EMBED[1])),
+)
+
+
 def _text(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The language model's config: a Qwen3.5 VLM's `text_config`, or a text model's own."""
     text = config.get("text_config")
@@ -345,12 +512,20 @@ class _Qwen35(Architecture):
         TITAN: (_COMMON[0][1], _COMMON[-1][1]),
     }
     ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {HF: _HF_IGNORED, TITAN: _TITAN_IGNORED}
-    unmapped: ClassVar[Mapping[str, Sequence[Ignored]]] = _UNMAPPED
     # a layer is full attention or GatedDeltaNet (config.json's layer_types): either is
-    # optional to recognition, and `check_layers` wants one whole in each layer
+    # optional to recognition, and `check_layers` wants one whole in each layer; a text
+    # model holds no vision encoder
     optional: ClassVar[Mapping[str, Sequence[str]]] = {
-        HF: (*(hf for hf, _ in _FULL_ATTENTION), *(hf for hf, _ in _LINEAR_ATTENTION)),
-        TITAN: (*(tt for _, tt in _FULL_ATTENTION), *(tt for _, tt in _LINEAR_ATTENTION)),
+        HF: (
+            *(hf for hf, _ in _FULL_ATTENTION),
+            *(hf for hf, _ in _LINEAR_ATTENTION),
+            *_VISION_HF,
+        ),
+        TITAN: (
+            *(tt for _, tt in _FULL_ATTENTION),
+            *(tt for _, tt in _LINEAR_ATTENTION),
+            *_VISION_TITAN,
+        ),
     }
     layer_variants: ClassVar[Sequence[Sequence[str]]] = (
         tuple(hf for hf, _ in _FULL_ATTENTION),
@@ -359,6 +534,9 @@ class _Qwen35(Architecture):
 
     hf_architecture: ClassVar[str]
     hf_model_type: ClassVar[str]
+    #: the vision-language model's (`text_config` and `vision_config`)
+    hf_vlm_architecture: ClassVar[str]
+    hf_vlm_model_type: ClassVar[str]
 
     @classmethod
     def args_from_shapes(cls, shapes: Mapping[str, Sequence[int]], naming: str) -> ModelArgs:
@@ -500,6 +678,65 @@ class _Qwen35(Architecture):
         return config
 
     @classmethod
+    def check_layers(cls, names: Sequence[str]) -> None:
+        """The language model's layers (`Architecture.check_layers`), and the vision
+        encoder, when the model holds one, whole: every tensor of it, in every block (its
+        tensors are optional to a text model, so the layers' check passes over them)."""
+        super().check_layers(names)
+        held = [n for n in names if n.startswith("model.visual.")]
+        if not held:
+            return
+        patterns = {p: compile_pattern(p) for p in _VISION_HF}
+        blocks: set[int] = set()
+        found: dict[str, set[int]] = {p: set() for p in patterns}
+        for name in held:
+            for pattern, regex in patterns.items():
+                m = regex.match(name)
+                if m:
+                    block = int(m.group("block")) if "{block}" in pattern else 0
+                    found[pattern].add(block)
+                    blocks.add(block)
+                    break
+        for block in range(max(blocks) + 1):
+            lacks = [
+                p.format(block=block)
+                for p in patterns
+                if ("{block}" in p or block == 0) and block not in found[p]
+            ]
+            if lacks:
+                more = f" and {len(lacks) - 1} more" if len(lacks) > 1 else ""
+                raise FormatError(
+                    f"the {cls.title} vision encoder lacks {lacks[0]!r}{more} (in Hugging Face "
+                    "names), which a whole encoder holds: transformers' from_pretrained would "
+                    "initialise it at random",
+                    fix="Convert the complete checkpoint (every shard of it), or leave the "
+                    "vision encoder out whole with --filter-out 'vision_encoder.*' (torchtitan "
+                    "names) / 'model.visual.*' (Hugging Face names).",
+                )
+
+    @classmethod
+    def fit_config(cls, config: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+        vision = [n for n in names if n.startswith("model.visual.")]
+        if vision and not isinstance(config.get("vision_config"), dict):
+            raise FormatError(
+                f"the export holds {len(vision)} tensor(s) of {cls.title}'s vision encoder "
+                f"({vision[0]!r}...), and the config describes no vision_config: "
+                "from_pretrained would build a text model and drop them",
+                fix="Pass the model's config.json (with its vision_config) with --config, or "
+                "leave the vision encoder out with --filter-out 'vision_encoder.*'.",
+            )
+        if vision or not isinstance(config.get("text_config"), dict):
+            return config
+        # the language model alone: its own config, which builds no vision encoder
+        text: dict[str, Any] = dict(config["text_config"])
+        text["architectures"] = [cls.hf_architecture]
+        text.setdefault("model_type", cls.hf_model_type)
+        for key in ("tie_word_embeddings", "torch_dtype", "dtype"):
+            if key in config and key not in text:
+                text[key] = config[key]
+        return text
+
+    @classmethod
     def args_from_torchtitan(cls, model: Any) -> ModelArgs:
         """A Hugging Face text `config.json` (as `ModelArgs.config`) of torchtitan's Qwen3.5
         `Model.Config` `model`: the language model as transformers builds it."""
@@ -564,7 +801,34 @@ class _Qwen35(Architecture):
                     "shared_expert_intermediate_size": shared.w1.out_features,
                 }
             )
+        encoder = model.vision_encoder
+        if encoder is not None:
+            config = {
+                "architectures": [cls.hf_vlm_architecture],
+                "model_type": cls.hf_vlm_model_type,
+                "text_config": config,
+                "vision_config": _vision_config(encoder, cls.hf_vlm_model_type),
+                "tie_word_embeddings": False,
+            }
         return cls.args_from_config(config)
+
+
+def _vision_config(encoder: Any, model_type: str) -> dict[str, Any]:
+    """transformers' `vision_config` of torchtitan's `Qwen35VisionEncoder.Config`."""
+    return {
+        "model_type": model_type + "_vision",
+        "depth": encoder.num_layers,
+        "hidden_size": encoder.dim,
+        "hidden_act": "gelu_pytorch_tanh",
+        "intermediate_size": encoder.block.mlp.fc1.out_features,
+        "num_heads": encoder.num_heads,
+        "in_channels": encoder.in_channels,
+        "patch_size": encoder.patch_size,
+        "spatial_merge_size": encoder.spatial_merge_size,
+        "temporal_patch_size": encoder.temporal_patch_size,
+        "out_hidden_size": encoder.merger.fc2.out_features,
+        "num_position_embeddings": encoder.num_position_embeddings,
+    }
 
 
 class Qwen3_5(_Qwen35):
@@ -576,10 +840,13 @@ class Qwen3_5(_Qwen35):
     hf_model_types = ("qwen3_5_text", "qwen3_5")
     hf_architecture = "Qwen3_5ForCausalLM"
     hf_model_type = "qwen3_5_text"
+    hf_vlm_architecture = "Qwen3_5ForConditionalGeneration"
+    hf_vlm_model_type = "qwen3_5"
     rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
         TITAN: [
             *_renames((*_COMMON, *_FULL_ATTENTION, *_LINEAR_ATTENTION, *_DENSE_MLP)),
             DeltaNetQKV(_DELTANET_HF, _DELTANET_TT),
+            *_VISION_RULES,
         ],
     }
 
@@ -593,10 +860,13 @@ class Qwen3_5Moe(_Qwen35):
     hf_model_types = ("qwen3_5_moe_text", "qwen3_5_moe")
     hf_architecture = "Qwen3_5MoeForCausalLM"
     hf_model_type = "qwen3_5_moe_text"
+    hf_vlm_architecture = "Qwen3_5MoeForConditionalGeneration"
+    hf_vlm_model_type = "qwen3_5_moe"
     rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
         TITAN: [
             *_renames((*_COMMON, *_FULL_ATTENTION, *_LINEAR_ATTENTION, *_MOE)),
             DeltaNetQKV(_DELTANET_HF, _DELTANET_TT),
+            *_VISION_RULES,
             FusedExperts(one(_GATE_UP[0]), _GATE_UP[1]),
         ],
     }

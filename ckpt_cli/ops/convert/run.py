@@ -409,6 +409,7 @@ def convert(
         # the source's files are accounted for against its own entries, not a naming's
         selected_from, selected = checkpoint, plan
         config_from_source = False
+        config_narrowed = False
         if naming is not None:
             known = json.loads(given_config[0]) if given_config else source_config(base.storage)
             config_from_source = given_config is None and known is not None
@@ -440,6 +441,7 @@ def convert(
                 )
             checkpoint, plan, origins = mapped.checkpoint, mapped.plan, mapped.origins
             architecture, naming_config = mapped.report, mapped.config
+            config_narrowed = mapped.config_narrowed
             naming_files = mapped.output.files
             naming_warnings = mapped.warnings
         kept = 0 if dequantize or naming else keep_quantized(plan, analysis)
@@ -489,7 +491,7 @@ def convert(
         component_out = naming is not None or (select is not None and opened.training is not None)
         if component_out:
             carried = [rel for rel in carried if not is_training_file(opened, rel)]
-        if given_config is not None:
+        if given_config is not None and not config_narrowed:
             carried = [rel for rel in carried if rel != "config.json"]
             options.companions["config.json"] = given_config[0]
         elif naming_config is not None:

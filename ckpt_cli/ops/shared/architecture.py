@@ -99,6 +99,9 @@ class MappedSource:
     #: what the user should know about the mapping (a config.json of a family ckpt does not
     #: know, whose tensors are named as a known one's)
     warnings: list[str] = field(default_factory=list)
+    #: `config` describes fewer modules than the config given (`Architecture.fit_config`:
+    #: Qwen3.5's language model exported without its vision encoder), so it is the one written
+    config_narrowed: bool = False
 
 
 def naming_format(to: str) -> tuple[str, str | None]:
@@ -550,8 +553,12 @@ def map_plan(
                 )
         new_plan.tied = plan.tied
         config_bytes = None
+        narrowed = False
         if target == HF:
-            config_bytes = (json.dumps(arch.hf_config(args), indent=2) + "\n").encode()
+            built = arch.hf_config(args)
+            written = arch.fit_config(built, [t.name for t in sourced.tensors])
+            narrowed = written is not built
+            config_bytes = (json.dumps(written, indent=2) + "\n").encode()
         records = [_record(t) for t in sourced.tensors]
         counts: dict[str, int] = {}
         for r in records:
@@ -565,7 +572,9 @@ def map_plan(
             transforms=counts,
         )
         origins = {r.name: ",".join(r.sources) or f"({r.transform})" for r in records}
-        return MappedSource(mapped, new_plan, report, config_bytes, output, origins, warnings)
+        return MappedSource(
+            mapped, new_plan, report, config_bytes, output, origins, warnings, narrowed
+        )
 
 
 def _not_a_weight(naming: str) -> str:
