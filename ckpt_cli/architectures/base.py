@@ -635,6 +635,12 @@ class Architecture(ABC):
             HF naming stores no output projection (an export drops it, as torchtitan's own
             `to_hf` does) and a native one holds it as a copy of the embedding (an import
             writes it from the embedding's bytes).
+        unmapped: naming -> modules a checkpoint of this family may hold that no rule maps
+            (FLUX.1-dev's guidance embedder, which torchtitan's Flux has not), as `Ignored`
+            prefixes: recognition passes over them, `plan` refuses a source holding them
+            (naming them and the `--filter-out` that leaves them out: a conversion never
+            drops a module quietly), and `diff` leaves them out of a comparison across
+            namings, named (`unmapped_of`).
     """
 
     name: ClassVar[str]
@@ -649,6 +655,7 @@ class Architecture(ABC):
     layer_variants: ClassVar[Sequence[Sequence[str]]] = ()
     torchtitan_models: ClassVar[str | None] = None
     filled: ClassVar[Mapping[str, Sequence[Filled]]] = {}
+    unmapped: ClassVar[Mapping[str, Sequence[Ignored]]] = {}
     #: naming -> patterns of tensors a `--dtype` cast leaves as stored: routing state the
     #: model keeps in float32 whatever its weights' dtype (DeepSeek-V3's router bias)
     float32: ClassVar[Mapping[str, Sequence[str]]] = {}
@@ -713,7 +720,19 @@ class Architecture(ABC):
     def _patterns(cls, naming: str) -> list[re.Pattern[str]]:
         """Every rule and ignore pattern of `naming`'s side, compiled."""
         side = [compile_pattern(p) for _, _, p in cls._side(naming)]
-        return side + [i.regex() for i in cls.ignored.get(naming, ())]
+        passed = (*cls.ignored.get(naming, ()), *cls.unmapped.get(naming, ()))
+        return side + [i.regex() for i in passed]
+
+    @classmethod
+    def unmapped_of(cls, names: Sequence[str], naming: str) -> list[tuple[str, Ignored]]:
+        """(name, its `unmapped` entry) of each of `names` (in `naming`) no rule maps."""
+        patterns = [(i.regex(), i) for i in cls.unmapped.get(naming, ())]
+        out: list[tuple[str, Ignored]] = []
+        for name in names:
+            found = next((i for regex, i in patterns if regex.match(name)), None)
+            if found is not None:
+                out.append((name, found))
+        return out
 
     @classmethod
     def covers_every(cls, names: Sequence[str], naming: str) -> bool:
@@ -845,6 +864,19 @@ class Architecture(ABC):
             raise FormatError(
                 f"{cls.title} has no mapping from the {source} naming to the {target} naming",
                 fix=f"Its namings: {', '.join(cls.namings())}.",
+            )
+        unmapped = cls.unmapped_of([n for n, _, _ in entries], source)
+        if unmapped:
+            shown = ", ".join(repr(n) for n, _ in unmapped[:3])
+            more = f" and {len(unmapped) - 3} more" if len(unmapped) > 3 else ""
+            modules = list(dict.fromkeys(i for _, i in unmapped))
+            globs = " ".join(f"--filter-out '{i.pattern}*'" for i in modules)
+            raise FormatError(
+                f"{len(unmapped)} tensor(s) of {cls.title}'s "
+                f"{' and '.join(i.reason for i in modules)} have no rule from the {source} "
+                f"naming to the {target} naming: {shown}{more}",
+                fix=f"Leave them out with {globs} to convert the rest of the model alone, or "
+                "convert with --to safetensors / dcp to keep every tensor under its name.",
             )
         native = source if target == HF else target
         direction: Direction = "to_hf" if target == HF else "from_hf"

@@ -344,6 +344,11 @@ def _read_in(
         if e.kind != "tensor"
     ]
     tensors = {n: e for n, e in aligned.items() if e.kind == "tensor"}
+    # a module no rule maps (FLUX.1-dev's guidance embedder) has no counterpart the other
+    # side, read in another naming, could hold: left out, named, and the rest compared
+    for name, unmapped in arch.unmapped_of(list(tensors), naming):
+        left.append(LeftOut(name=name, reason=unmapped.reason))
+        del tensors[name]
     if naming == target:
         own = [(i.regex(), i.reason) for i in arch.ignored.get(naming, ())]
         filled = [compile_pattern(f.pattern) for f in arch.filled.get(naming, ())]
