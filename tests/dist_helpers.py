@@ -328,7 +328,11 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def run_torchrun(
-    script: Path, nproc: int, *args: str | os.PathLike[str], timeout: int = 300
+    script: Path,
+    nproc: int,
+    *args: str | os.PathLike[str],
+    timeout: int = 300,
+    env: dict[str, str] | None = None,
 ) -> str:
     """Run `script` under `torchrun --standalone --nproc-per-node nproc`; return its output.
 
@@ -336,11 +340,12 @@ def run_torchrun(
     exception": a gloo thread still joinable when the process exits, seen now and then with
     megatron's and accelerate's loaders on a loaded machine) is run once more; any other
     failure fails the test. Past `timeout` every rank is ended and the test fails with their
-    output (`LaunchTimeout`), not run again."""
-    proc = _torchrun(nproc, [str(script), *[str(a) for a in args]], None, timeout)
+    output (`LaunchTimeout`), not run again. `env`: variables the ranks get beside this
+    process's."""
+    proc = _torchrun(nproc, [str(script), *[str(a) for a in args]], env, timeout)
     if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr:
         sys.stderr.write(f"torchrun {script.name}: a rank aborted in teardown; running it again\n")
-        proc = _torchrun(nproc, [str(script), *[str(a) for a in args]], None, timeout)
+        proc = _torchrun(nproc, [str(script), *[str(a) for a in args]], env, timeout)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script.name} {args} failed ({proc.returncode}):\n{output}")

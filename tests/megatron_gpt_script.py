@@ -41,6 +41,10 @@ INPUT_IDS = [[3, 17, 5, 60, 2, 41, 9, 33, 12, 0], [7, 7, 1, 58, 30, 22, 11, 4, 6
 _SCALING = os.environ.get("MEGATRON_ROPE_SCALING", "")
 ROPE = os.environ.get("MEGATRON_ROPE", "llama3" if _SCALING else "")
 ROPE_FACTOR, INTERPOLATION = float(_SCALING or 8.0), 4
+#: `MEGATRON_FAMILY=qwen2`: q/k/v biases (`--add-qkv-bias`, Megatron-Bridge's Qwen2 / 2.5);
+#: `MEGATRON_FAMILY=qwen3`: q/k norms over each head (`--qk-layernorm`, its Qwen3)
+FAMILY = os.environ.get("MEGATRON_FAMILY", "")
+QKV_BIAS, QK_LAYERNORM = FAMILY == "qwen2", FAMILY == "qwen3"
 
 
 def megatron_args() -> argparse.Namespace:
@@ -62,7 +66,8 @@ def megatron_args() -> argparse.Namespace:
         norm_epsilon=EPS,
         swiglu=True,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=QKV_BIAS,
+        qk_layernorm=QK_LAYERNORM,
         untie_embeddings_and_output_weights=True,
         bf16=False,
         fp16=False,
@@ -98,6 +103,8 @@ def build_model(seed: int, pipeline: int = 1) -> Any:
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
+        add_qkv_bias=QKV_BIAS,
+        qk_layernorm=QK_LAYERNORM,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
@@ -117,7 +124,9 @@ def build_model(seed: int, pipeline: int = 1) -> Any:
     torch.manual_seed(seed + stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=QK_LAYERNORM
+        ),
         vocab_size=VOCAB,
         max_sequence_length=MAX_POS,
         position_embedding_type="rope",

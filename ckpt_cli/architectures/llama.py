@@ -33,7 +33,7 @@ from .base import (
     TensorRule,
     one,
 )
-from .megatron import MEGATRON, MEGATRON_IGNORED, MEGATRON_RULES
+from .megatron import LLAMA_STYLE, MEGATRON, MEGATRON_IGNORED, MegatronStyle
 from .megatron import args_from_checkpoint as megatron_args_from_checkpoint
 from .megatron import args_from_shapes as megatron_args_from_shapes
 from .megatron import naming_output as megatron_output
@@ -152,6 +152,8 @@ class _Decoder(Architecture):
 
     hf_architecture: ClassVar[str]
     hf_model_type: ClassVar[str]
+    #: what a Megatron-Core GPTModel of the family holds beyond the Llama style
+    megatron_style: ClassVar[MegatronStyle] = LLAMA_STYLE
 
     @classmethod
     def args_from_shapes(cls, shapes: Mapping[str, Sequence[int]], naming: str) -> ModelArgs:
@@ -233,7 +235,7 @@ class _Decoder(Architecture):
     @classmethod
     def args_from_source(cls, checkpoint: Checkpoint, naming: str) -> ModelArgs:
         if naming == MEGATRON:
-            return megatron_args_from_checkpoint(checkpoint)
+            return megatron_args_from_checkpoint(checkpoint, cls.megatron_style)
         if naming == GGUF:
             args = gguf.args_from_metadata(checkpoint, cls.name, cls.title)
             # the metadata is the file's config.json: held against the tensors as one is
@@ -248,7 +250,7 @@ class _Decoder(Architecture):
     @classmethod
     def naming_output(cls, naming: str, args: ModelArgs) -> NamingOutput:
         if naming == MEGATRON:
-            return megatron_output(args, cls.title)
+            return megatron_output(args, cls.title, cls.megatron_style)
         return NamingOutput()
 
     @classmethod
@@ -370,7 +372,7 @@ class Llama3(_Decoder):
             *_renames(_DENSE_MLP),
         ],
         # Megatron-Core's GPTModel built Llama-style (RMSNorm, SwiGLU, GQA, rotary, no bias)
-        MEGATRON: MEGATRON_RULES,
+        MEGATRON: LLAMA_STYLE.rules,
         # llama.cpp's names; its converter permutes q/k into the interleaved layout too
         GGUF: [
             *_renames(gguf.RENAMES),
@@ -468,14 +470,21 @@ class Qwen2(_Decoder):
     hf_model_types = ("qwen2",)
     hf_architecture = "Qwen2ForCausalLM"
     hf_model_type = "qwen2"
+    megatron_style = MegatronStyle("Qwen2", qkv_bias=True)
     rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
         # llama.cpp writes a Qwen2's q/k rows as they are (NEOX rope: the halves layout)
         GGUF: _renames((*gguf.RENAMES, gguf.Q, gguf.K, *gguf.QKV_BIASES)),
+        # Megatron-Core's GPTModel with --add-qkv-bias (Megatron-Bridge's Qwen2 / Qwen2.5)
+        MEGATRON: megatron_style.rules,
     }
-    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {HF: _HF_IGNORED}
+    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {
+        HF: _HF_IGNORED,
+        MEGATRON: MEGATRON_IGNORED,
+    }
     markers: ClassVar[Mapping[str, Sequence[str]]] = {
         HF: (gguf.QKV_BIASES[0][0],),
         GGUF: (gguf.QKV_BIASES[0][1],),
+        MEGATRON: megatron_style.markers,
     }
     # a model with an o_proj bias too is a Llama with attention_bias, no Qwen2
     excluders: ClassVar[Mapping[str, Sequence[str]]] = {
@@ -507,16 +516,24 @@ class Qwen3(_Decoder):
     hf_architecture = "Qwen3ForCausalLM"
     hf_model_type = "qwen3"
     torchtitan_models = "torchtitan.models.qwen3"
+    megatron_style = MegatronStyle("Qwen3", qk_layernorm=True)
     rules: ClassVar[Mapping[str, Sequence[TensorRule]]] = {
         TITAN: _renames((*_COMMON, _Q, _K, *_QK_NORMS, *_DENSE_MLP)),
         # llama.cpp writes a Qwen3's q/k rows as they are (NEOX rope: the halves layout)
         GGUF: _renames((*gguf.RENAMES, gguf.Q, gguf.K, *gguf.QK_NORMS)),
+        # Megatron-Core's GPTModel with --qk-layernorm (Megatron-Bridge's Qwen3)
+        MEGATRON: megatron_style.rules,
     }
-    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {HF: _HF_IGNORED, TITAN: _TITAN_IGNORED}
+    ignored: ClassVar[Mapping[str, Sequence[Ignored]]] = {
+        HF: _HF_IGNORED,
+        TITAN: _TITAN_IGNORED,
+        MEGATRON: MEGATRON_IGNORED,
+    }
     markers: ClassVar[Mapping[str, Sequence[str]]] = {
         HF: (_QK_NORMS[0][0],),
         TITAN: (_QK_NORMS[0][1],),
         GGUF: (gguf.QK_NORMS[0][1],),
+        MEGATRON: megatron_style.markers,
     }
 
 

@@ -296,6 +296,58 @@ MEGATRON_RULES: tuple[TensorRule, ...] = (
     Rename(one("lm_head.weight"), one("output_layer.weight")),
 )
 
+
+@dataclass(frozen=True)
+class MegatronStyle:
+    """What a Megatron-Core `GPTModel` of a family holds beyond the Llama style: Qwen2's q/k/v
+    biases (Megatron-LM's `--add-qkv-bias`: `linear_qkv.bias`, fused per query group as the
+    weight is) or Qwen3's q/k norms (`--qk-layernorm`: `q_layernorm` / `k_layernorm`, RMSNorm
+    over each head before the rotary embedding, as transformers' `q_norm` / `k_norm`)."""
+
+    #: the family's name in messages (`not Llama-style`)
+    name: str = "Llama"
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        """Megatron-LM's arguments for what the style holds."""
+        return {"add_qkv_bias": self.qkv_bias, "qk_layernorm": self.qk_layernorm}
+
+    @property
+    def rules(self) -> tuple[TensorRule, ...]:
+        """The rules of a GPTModel of this style against Hugging Face names."""
+        extra: list[TensorRule] = []
+        if self.qkv_bias:
+            extra.append(
+                _layer(
+                    "self_attention.linear_qkv.bias",
+                    ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+                    "qkv",
+                )
+            )
+        if self.qk_layernorm:
+            extra += [
+                _layer("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",)),
+                _layer("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",)),
+            ]
+        return (*MEGATRON_RULES, *extra)
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """Name patterns of which a save of this style holds one (stacked or per layer)."""
+        module = (
+            "self_attention.linear_qkv.bias"
+            if self.qkv_bias
+            else "self_attention.q_layernorm.weight"
+            if self.qk_layernorm
+            else "self_attention.linear_qkv.weight"
+        )
+        return (f"decoder.layers.{module}", f"decoder.layers.{{layer}}.{module}")
+
+
+LLAMA_STYLE = MegatronStyle()
+
 #: what a Megatron save holds beside the model's weights
 MEGATRON_IGNORED = (
     Ignored("rotary_pos_emb.inv_freq", "rotary table (rebuilt)"),
@@ -331,27 +383,34 @@ def args_from_shapes(shapes: Mapping[str, Sequence[int]]) -> ModelArgs:
     )
 
 
-def args_from_megatron(args: Mapping[str, Any], where: str) -> ModelArgs:
-    """The model args of Megatron-LM's arguments (`args` in `common.pt`), refusing a model HF
-    Llama cannot express (LayerNorm, GeLU, biases, learned positions, partial or interleaved
-    rotary, MoE) with a FormatError naming what it found."""
+def args_from_megatron(
+    args: Mapping[str, Any], where: str, style: MegatronStyle = LLAMA_STYLE
+) -> ModelArgs:
+    """The model args of Megatron-LM's arguments (`args` in `common.pt`), refusing a model the
+    family's Hugging Face model (`style`) cannot express (LayerNorm, GeLU, biases the style
+    has not, learned positions, partial or interleaved rotary, MoE) with a FormatError
+    naming what it found."""
     checks = {
         "normalization": (args.get("normalization"), "RMSNorm"),
         "swiglu": (bool(args.get("swiglu")), True),
         "add_bias_linear": (bool(args.get("add_bias_linear", False)), False),
-        "add_qkv_bias": (bool(args.get("add_qkv_bias", False)), False),
+        "add_qkv_bias": (bool(args.get("add_qkv_bias", False)), style.qkv_bias),
         "position_embedding_type": (args.get("position_embedding_type", "rope"), "rope"),
         "rotary_percent": (float(args.get("rotary_percent", 1.0) or 1.0), 1.0),
         "rotary_interleaved": (bool(args.get("rotary_interleaved", False)), False),
-        "qk_layernorm": (bool(args.get("qk_layernorm", False)), False),
+        "qk_layernorm": (bool(args.get("qk_layernorm", False)), style.qk_layernorm),
         "num_experts": (args.get("num_experts"), None),
     }
     wrong = {k: got for k, (got, want) in checks.items() if got != want}
     if wrong:
         shown = ", ".join(f"{k}={v!r}" for k, v in wrong.items())
+        held = (
+            "q/k/v biases" if style.qkv_bias else "q/k norms" if style.qk_layernorm else "no bias"
+        )
         raise FormatError(
-            f"the Megatron model is not Llama-style ({shown}): only RMSNorm, SwiGLU, rotary "
-            "embeddings over the whole head, no bias and no MoE map to Hugging Face Llama",
+            f"the Megatron model is not {style.name}-style ({shown}): only RMSNorm, SwiGLU, "
+            f"rotary embeddings over the whole head, {held} and no MoE map to Hugging Face "
+            f"{style.name}, whose tensors the save's names are",
             path=where,
             fix="Export it with --to safetensors / dcp to keep Megatron's own names.",
         )
@@ -432,7 +491,9 @@ def _megatron_rope_args(args: ModelArgs, family: str) -> dict[str, Any]:
     )
 
 
-def megatron_args(args: ModelArgs, family: str) -> dict[str, Any]:
+def megatron_args(
+    args: ModelArgs, family: str, style: MegatronStyle = LLAMA_STYLE
+) -> dict[str, Any]:
     """Megatron-LM's argument names for a model (what an import keeps as `args` in
     `common.pt`, so an export of it needs no --config)."""
     heads = int(args.require("n_heads", family, "Megatron's args name it"))
@@ -456,8 +517,7 @@ def megatron_args(args: ModelArgs, family: str) -> dict[str, Any]:
         "norm_epsilon": args.norm_eps if args.norm_eps is not None else 1e-5,
         "swiglu": True,
         "add_bias_linear": False,
-        "add_qkv_bias": False,
-        "qk_layernorm": False,
+        **style.flags,
         "untie_embeddings_and_output_weights": not args.tie_embeddings,
         "bf16": args.dtype in ("bfloat16", "bf16"),
         "fp16": args.dtype in ("float16", "fp16"),
@@ -465,14 +525,14 @@ def megatron_args(args: ModelArgs, family: str) -> dict[str, Any]:
     }
 
 
-def common_pt(args: ModelArgs, family: str) -> bytes:
+def common_pt(args: ModelArgs, family: str, style: MegatronStyle = LLAMA_STYLE) -> bytes:
     """`common.pt` of an imported model: what Megatron-LM's `save_checkpoint` keeps there for a
     fresh start (iteration 0, the checkpoint version, `args` as an `argparse.Namespace`)."""
     import torch
 
     buffer = io.BytesIO()
     state = {
-        "args": argparse.Namespace(**megatron_args(args, family)),
+        "args": argparse.Namespace(**megatron_args(args, family, style)),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": 0,
     }
@@ -485,11 +545,11 @@ def metadata_json() -> bytes:
     return json.dumps(MEGATRON_METADATA_JSON).encode()
 
 
-def args_from_checkpoint(checkpoint: Checkpoint) -> ModelArgs:
+def args_from_checkpoint(checkpoint: Checkpoint, style: MegatronStyle = LLAMA_STYLE) -> ModelArgs:
     """The model args of a Megatron save's `common.pt` `args` (Megatron-LM's arguments,
     an `argparse.Namespace` or a dict), loaded with ckpt's restricted loader. Empty when the
     save has none or they cannot be read safely: the rules needing them then ask for
-    --config. A model that is not Llama-style is refused (`args_from_megatron`)."""
+    --config. A model not of the family's `style` is refused (`args_from_megatron`)."""
     from ..errors import CkptError
     from ..formats.dcp.layout import MEGATRON_COMMON
     from ..formats.torch.load import InertObject, load_torch_file
@@ -508,7 +568,7 @@ def args_from_checkpoint(checkpoint: Checkpoint) -> ModelArgs:
         return ModelArgs()
     where = storage.describe(MEGATRON_COMMON)
     return checked_args(
-        lambda: args_from_megatron(args, where),
+        lambda: args_from_megatron(args, where, style),
         where,
         "Megatron's args",
         MEGATRON_KEYS,
@@ -531,14 +591,17 @@ MEGATRON_KEYS = {
 }
 
 
-def naming_output(args: ModelArgs, family: str) -> NamingOutput:
+def naming_output(args: ModelArgs, family: str, style: MegatronStyle = LLAMA_STYLE) -> NamingOutput:
     """What an import into the megatron naming writes beside the tensors: `common.pt`,
     `metadata.json`, every layer's empty `_extra_state` (Megatron-Core stores a
     ShardedObject's value as a one-element list), and the layer stacks one chunk per layer."""
     layers = int(args.require("n_layers", family, "Megatron's load asks for every layer"))
-    stacks = [r.native[0] for r in MEGATRON_RULES if isinstance(r, LayerTensor)]
+    stacks = [r.native[0] for r in style.rules if isinstance(r, LayerTensor)]
     return NamingOutput(
-        files={MEGATRON_COMMON_PT: common_pt(args, family), MEGATRON_METADATA: metadata_json()},
+        files={
+            MEGATRON_COMMON_PT: common_pt(args, family, style),
+            MEGATRON_METADATA: metadata_json(),
+        },
         objects={name: [None] for name in extra_state_names(layers)},
         split_dim0=dict.fromkeys(stacks, layers),
     )
