@@ -11,7 +11,9 @@ killed by SIGXCPU instead of running for hours.
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -140,4 +142,33 @@ def test_diff_shows_a_custom_value_of_100_000_bits_by_its_width(
     changed = {e["name"]: e for e in done.json["result"]["differences"] if e["status"] == "value"}
     assert changed["custom_0.seen"]["value_a"] == "<int of 100,001 bits>"
     assert changed["custom_0.seen"]["value_b"] == str(before["seen"])
+    assert done.cpu_s < CPU_LIMIT
+
+
+@pytest.mark.slow  # a fresh process under limits, reading 250 MiB of opcodes
+def test_a_rank_file_of_250_mib_of_opcodes_is_scanned_for_its_args_in_bounded_cpu(
+    tmp_path: Path,
+) -> None:
+    # the sizes are read from the lowest rank file's pickle opcodes; one of 250 MiB of NONEs,
+    # deflated 23-fold into an 11 MB file (within the zip budget), took 95 CPU-s to step
+    # through one opcode at a time
+    run, save = _legacy_run(tmp_path, (1, 2))
+    rank_file = save / "mp_rank_00_000" / RANK_FILE
+    rnd = random.Random(0)
+    chunk = bytes(rnd.choices(b"N)", weights=[97, 3], k=1 << 20))  # NONE, EMPTY_TUPLE
+    rank_file.unlink()
+    with zipfile.ZipFile(rank_file, "w", zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("archive/data.pkl", "w", force_zip64=True) as member:
+            member.write(b"\x80\x02")
+            for _ in range(250):
+                member.write(chunk)
+            member.write(b".")
+        archive.writestr("archive/version", "3\n")
+    age(run)
+
+    done = ckpt_limited("latest", run)
+
+    # no args to read: the numbering of the two stages present says the save is whole
+    assert done.exit_code == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == str(save)
     assert done.cpu_s < CPU_LIMIT
