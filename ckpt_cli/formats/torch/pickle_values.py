@@ -280,6 +280,9 @@ def load_plain_pickle(data: bytes, where: str | None = None) -> Any:
 _MAX_STANDS = 256
 #: a plain string attribute longer than this is not kept (a value to show, not a payload)
 _MAX_TEXT = 200
+#: an int attribute wider than this many bits is not kept: a sampler's epoch and seed fit in 64,
+#: and a pickled int of 10^5 digits is past what Python will print (`sys.int_info`)
+_MAX_INT_BITS = 128
 
 
 @dataclass(frozen=True)
@@ -366,7 +369,9 @@ def _head_class(head: bytes) -> str | None:
 
 
 def _plain_attribute(value: Any) -> bool:
-    if value is None or type(value) in (int, float, bool):
+    if type(value) is int:
+        return value.bit_length() <= _MAX_INT_BITS
+    if value is None or type(value) in (float, bool):
         return True
     return type(value) is str and len(value) <= _MAX_TEXT
 

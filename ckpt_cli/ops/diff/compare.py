@@ -11,6 +11,7 @@ import math
 import pickle
 import struct
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -294,8 +295,88 @@ def short_repr(value: Any) -> str:
         return f"<{len(value)} bytes, sha256 {hashlib.sha256(value).hexdigest()[:12]}>"
     if isinstance(value, torch.Tensor):
         return f"<tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}>"
-    text = repr(value)
+    text = bounded_repr(value, MAX_VALUE_REPR)
     return text if len(text) <= MAX_VALUE_REPR else text[: MAX_VALUE_REPR - 1] + "…"
+
+
+#: an int wider than this is shown by its width: Python refuses to print one of more than 4,300
+#: digits (`sys.get_int_max_str_digits`), and printing takes time quadratic in its digits
+_MAX_INT_BITS_SHOWN = 4096
+
+
+class _Value:
+    """A value still to be shown (beside the text pieces on `bounded_repr`'s stack)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def _container_pieces(value: Any) -> Iterator[str | _Value] | None:
+    """The pieces of a container's repr (text, and its items to show in turn), or None for a
+    value that is no dict, list, tuple, set or frozenset."""
+
+    def items(values: Iterable[Any], open_: str, close: str) -> Iterator[str | _Value]:
+        yield open_
+        for i, item in enumerate(values):
+            if i:
+                yield ", "
+            yield _Value(item)
+        yield close
+
+    def pairs(mapping: dict[Any, Any], open_: str, close: str) -> Iterator[str | _Value]:
+        yield open_
+        for i, (key, item) in enumerate(mapping.items()):
+            yield from (", " if i else "", _Value(key), ": ", _Value(item))
+        yield close
+
+    kind = type(value)
+    if kind is list:
+        return items(value, "[", "]")
+    if kind is tuple:
+        return items(value, "(", ",)" if len(value) == 1 else ")")
+    if kind is dict:
+        return pairs(value, "{", "}")
+    if isinstance(value, dict):  # OrderedDict, as a state dict loads
+        return pairs(value, f"{kind.__name__}({{", "})")
+    if kind is set:
+        return items(value, "{", "}") if value else iter(["set()"])
+    if kind is frozenset:
+        return items(value, "frozenset({", "})") if value else iter(["frozenset()"])
+    return None
+
+
+def _leaf_repr(value: Any, limit: int) -> str:
+    """repr of a value that is no container, at least `limit` + 1 characters of it when longer."""
+    if type(value) is int and value.bit_length() > _MAX_INT_BITS_SHOWN:
+        return f"<int of {value.bit_length():,} bits>"
+    if isinstance(value, str | bytes | bytearray) and len(value) > limit:
+        return repr(value[: limit + 1])
+    return repr(value)
+
+
+def bounded_repr(value: Any, limit: int) -> str:
+    """`repr(value)` when it is at most `limit` characters, else a longer prefix of it, built
+    only as far as it is shown: a "billion laughs" graph of shared lists, a list of millions of
+    items or an int of a million digits costs `limit` pieces, never its whole repr."""
+    parts: list[str] = []
+    size = 0
+    stack: list[Iterator[str | _Value]] = [iter([_Value(value)])]
+    while stack and size <= limit:
+        piece = next(stack[-1], None)
+        if piece is None:
+            stack.pop()
+            continue
+        if isinstance(piece, _Value):
+            inner = _container_pieces(piece.value)
+            if inner is not None:
+                stack.append(inner)
+                continue
+            piece = _leaf_repr(piece.value, limit)
+        parts.append(piece)
+        size += len(piece)
+    return "".join(parts)
 
 
 def error_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:

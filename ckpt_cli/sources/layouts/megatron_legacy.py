@@ -20,6 +20,7 @@ gap in the numbering of the folders present is still one.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
@@ -38,6 +39,10 @@ TP, PP, EP = (
     "expert_model_parallel_size",
 )
 SIZE_KEYS = frozenset({TP, PP, EP})
+#: the most rank folders one save is judged against (TP × PP × EP, or the grid the numbers of
+#: the folders present span): the largest runs have tens of thousands of ranks, and a folder
+#: named `mp_rank_2000_2000_2000` (or args edited to match) must not make ckpt list 8·10^9
+MAX_RANK_FOLDERS = 1 << 20
 
 
 class MissingRanks(NamedTuple):
@@ -80,7 +85,7 @@ def expected_folders(sizes: Mapping[str, int]) -> list[str] | None:
     """Every rank folder a save whose args record `sizes` holds, or None when they record no
     usable tensor-parallel size."""
     tp, pp, ep = (sizes.get(key, 1) for key in (TP, PP, EP))
-    if TP not in sizes or min(tp, pp, ep) < 1 or tp * pp * ep > 1 << 20:
+    if TP not in sizes or min(tp, pp, ep) < 1 or tp * pp * ep > MAX_RANK_FOLDERS:
         return None
     return [
         folder_name(t, p if pp > 1 else None, e if ep > 1 else None)
@@ -102,8 +107,8 @@ def _gaps(present: Iterable[str]) -> list[str]:
         return []  # mixed forms: not one save's numbering
     ranks = next(iter(shapes.values()))
     bounds = [max(r[i] for r in ranks) + 1 for i in range(len(ranks[0]))]
-    if max(bounds) > 1 << 16:
-        return []
+    if math.prod(bounds) > MAX_RANK_FOLDERS:
+        return []  # a grid no run has: the numbering tells nothing
     have = set(ranks)
     out = []
     for numbers in itertools.product(*(range(b) for b in bounds)):
@@ -127,9 +132,9 @@ def missing_ranks(names: Iterable[str], sizes: Mapping[str, int]) -> MissingRank
     folders = rank_folders(names)
     if not folders:
         return None
-    present = [name for name, whole in folders.items() if whole]
+    present = {name for name, whole in folders.items() if whole}
     expected = expected_folders(sizes)
-    if expected is not None and set(present) & set(expected):
+    if expected is not None and not present.isdisjoint(expected):
         missing = [name for name in expected if name not in present]
         basis = f"{TP} {sizes.get(TP, 1)} × {PP} {sizes.get(PP, 1)}"
         if sizes.get(EP, 1) > 1:
