@@ -37,48 +37,50 @@ needs_flux = pytest.mark.skipif(
 H, HEAD, IN, CTX, VEC = 32, 16, 8, 12, 10
 
 
-def _flux_hf(folder: Path, *, guidance: bool = False) -> dict[str, torch.Tensor]:
+def _flux_hf(
+    folder: Path, *, guidance: bool = False, h: int = H, hd: int = HEAD
+) -> dict[str, torch.Tensor]:
     """A tiny diffusers-named Flux transformer (random tensors: 2 double-stream and 2
-    single-stream blocks, hidden 32 in 2 heads) with its diffusers config.json."""
+    single-stream blocks, hidden `h` in heads `hd` wide) with its diffusers config.json."""
     linears: dict[str, tuple[int, int]] = {
-        "x_embedder": (H, IN),
-        "context_embedder": (H, CTX),
-        "time_text_embed.timestep_embedder.linear_1": (H, 256),
-        "time_text_embed.timestep_embedder.linear_2": (H, H),
-        "time_text_embed.text_embedder.linear_1": (H, VEC),
-        "time_text_embed.text_embedder.linear_2": (H, H),
-        "norm_out.linear": (2 * H, H),
-        "proj_out": (IN, H),
+        "x_embedder": (h, IN),
+        "context_embedder": (h, CTX),
+        "time_text_embed.timestep_embedder.linear_1": (h, 256),
+        "time_text_embed.timestep_embedder.linear_2": (h, h),
+        "time_text_embed.text_embedder.linear_1": (h, VEC),
+        "time_text_embed.text_embedder.linear_2": (h, h),
+        "norm_out.linear": (2 * h, h),
+        "proj_out": (IN, h),
     }
     if guidance:
-        linears["time_text_embed.guidance_embedder.linear_1"] = (H, 256)
-        linears["time_text_embed.guidance_embedder.linear_2"] = (H, H)
+        linears["time_text_embed.guidance_embedder.linear_1"] = (h, 256)
+        linears["time_text_embed.guidance_embedder.linear_2"] = (h, h)
     norms: list[str] = []
     for i in range(2):
         d = f"transformer_blocks.{i}."
         for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
-            linears[f"{d}attn.{name}"] = (H, H)
+            linears[f"{d}attn.{name}"] = (h, h)
         linears |= {
-            d + "attn.to_out.0": (H, H),
-            d + "attn.to_add_out": (H, H),
-            d + "ff.net.0.proj": (4 * H, H),
-            d + "ff.net.2": (H, 4 * H),
-            d + "ff_context.net.0.proj": (4 * H, H),
-            d + "ff_context.net.2": (H, 4 * H),
-            d + "norm1.linear": (6 * H, H),
-            d + "norm1_context.linear": (6 * H, H),
+            d + "attn.to_out.0": (h, h),
+            d + "attn.to_add_out": (h, h),
+            d + "ff.net.0.proj": (4 * h, h),
+            d + "ff.net.2": (h, 4 * h),
+            d + "ff_context.net.0.proj": (4 * h, h),
+            d + "ff_context.net.2": (h, 4 * h),
+            d + "norm1.linear": (6 * h, h),
+            d + "norm1_context.linear": (6 * h, h),
         }
         norms += [
             d + f"attn.{n}.weight" for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
         ]
         s = f"single_transformer_blocks.{i}."
         linears |= {
-            s + "attn.to_q": (H, H),
-            s + "attn.to_k": (H, H),
-            s + "attn.to_v": (H, H),
-            s + "proj_mlp": (4 * H, H),
-            s + "proj_out": (H, 5 * H),
-            s + "norm.linear": (3 * H, H),
+            s + "attn.to_q": (h, h),
+            s + "attn.to_k": (h, h),
+            s + "attn.to_v": (h, h),
+            s + "proj_mlp": (4 * h, h),
+            s + "proj_out": (h, 5 * h),
+            s + "norm.linear": (3 * h, h),
         }
         norms += [s + "attn.norm_q.weight", s + "attn.norm_k.weight"]
     gen = torch.Generator().manual_seed(0)
@@ -87,18 +89,18 @@ def _flux_hf(folder: Path, *, guidance: bool = False) -> dict[str, torch.Tensor]
         tensors[f"{name}.weight"] = torch.randn(*shape, generator=gen)
         tensors[f"{name}.bias"] = torch.randn(shape[0], generator=gen)
     for name in norms:
-        tensors[name] = torch.randn(HEAD, generator=gen)
+        tensors[name] = torch.randn(hd, generator=gen)
     folder.mkdir(parents=True)
     save_file(tensors, folder / "diffusion_pytorch_model.safetensors")
     config = {
         "_class_name": "FluxTransformer2DModel",
         "_diffusers_version": "0.42.1",
-        "attention_head_dim": HEAD,
-        "axes_dims_rope": [4, 6, 6],
+        "attention_head_dim": hd,
+        "axes_dims_rope": [4, 6, 6] if hd == HEAD else [16, 56, 56],
         "guidance_embeds": guidance,
         "in_channels": IN,
         "joint_attention_dim": CTX,
-        "num_attention_heads": H // HEAD,
+        "num_attention_heads": h // hd,
         "num_layers": 2,
         "num_single_layers": 2,
         "out_channels": None,
@@ -347,3 +349,18 @@ def test_a_flux_export_imports_back_into_torchtitan_bit_exact(
     trained = torch.load(tmp_path / "out" / "trained.pt", weights_only=True)
     assert trained["restored"] and trained["moved"]
     assert torch.isfinite(torch.tensor(trained["loss"]))
+
+
+def test_a_torchtitan_flux_with_128_wide_heads_exports_without_a_config(tmp_path: Path) -> None:
+    """The shapes tell every size of a Flux but its rotary axes' widths: for 128-wide heads
+    (every torchtitan flavor's and BFL's) they are 16, 56, 56, so a save without a config.json
+    exports with the config diffusers builds the same model from."""
+    _flux_hf(tmp_path / "hf", h=128, hd=128)
+    r = run_ckpt("convert", tmp_path / "hf", tmp_path / "tt", "--to", "torchtitan", "--no-extras")
+    assert r.exit_code == 0, r.stderr
+    r = run_ckpt("convert", tmp_path / "tt", tmp_path / "back", "--to", "hf")
+    assert r.exit_code == 0, r.stderr
+    built = json.loads((tmp_path / "back" / "config.json").read_text())
+    given = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del built["_diffusers_version"], given["_diffusers_version"]
+    assert built == given
