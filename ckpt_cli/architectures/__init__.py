@@ -45,6 +45,7 @@ REGISTRY: dict[str, str] = {
     "mixtral": "ckpt_cli.architectures.llama:Mixtral",
     "llama3": "ckpt_cli.architectures.llama:Llama3",
     "gpt-oss": "ckpt_cli.architectures.gpt_oss:GptOss",
+    "flux": "ckpt_cli.architectures.flux:Flux",
 }
 
 #: `convert --to` naming tokens -> the format their output is written as

@@ -178,6 +178,8 @@ class ModelArgs(Record):
             (a GGUF's metadata names them), for `config.json` (generation stops at the eos).
         config: the Hugging Face `config.json` these args came from, when one was given: an
             export writes it unchanged rather than one rebuilt from the args.
+        widths: what a family's shapes tell beyond these, by its own names (Flux's input
+            widths and single-stream block count), for its `hf_config`.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -202,6 +204,7 @@ class ModelArgs(Record):
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     config: dict[str, Any] | None = None
+    widths: dict[str, int] | None = None
 
     def merged(self, other: ModelArgs) -> ModelArgs:
         """These args with every value `other` knows and these do not."""
@@ -597,11 +600,14 @@ class NamingOutput:
         split_dim0: output tensor -> how many equal chunks along dim 0 a chunked format
             (DCP) stores it as: one per layer of Megatron's layer stack, as Megatron saves
             it, so a later read of one layer loads one chunk, not the whole stack.
+        basename: the stem of the weight files when the naming's loader looks for its own
+            (diffusers' `diffusion_pytorch_model`), None for the format's default (`model`).
     """
 
     files: dict[str, bytes] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)
     split_dim0: dict[str, int] = field(default_factory=dict)
+    basename: str | None = None
 
 
 class Architecture(ABC):

@@ -30,6 +30,9 @@ TORCH_INDEX_SUFFIX = TORCH_BIN_SUFFIX + INDEX_SUFFIX
 #: written into a checkpoint folder that `ckpt prune --slim-older-than` slimmed to its weights:
 #: the save holds no optimizer or RNG state on purpose, and every training layout says so
 SLIM_RECORD = "ckpt-slim.json"
+#: the stem diffusers saves and loads a model's weights under
+#: (`diffusion_pytorch_model.safetensors`, `diffusion_pytorch_model.safetensors.index.json`)
+DIFFUSERS_WEIGHTS_STEM = "diffusion_pytorch_model"
 #: pickles a training save holds beside its tensors (accelerate's `random_states_0.pkl`)
 PICKLE_SUFFIX = ".pkl"
 

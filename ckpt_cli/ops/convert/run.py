@@ -405,6 +405,7 @@ def convert(
         architecture: ArchitectureReport | None = None
         naming_config: bytes | None = None
         naming_files: dict[str, bytes] = {}
+        naming_basename: str | None = None
         naming_warnings: list[str] = []
         # the source's files are accounted for against its own entries, not a naming's
         selected_from, selected = checkpoint, plan
@@ -443,6 +444,7 @@ def convert(
             architecture, naming_config = mapped.report, mapped.config
             config_narrowed = mapped.config_narrowed
             naming_files = mapped.output.files
+            naming_basename = mapped.output.basename
             naming_warnings = mapped.warnings
         kept = 0 if dequantize or naming else keep_quantized(plan, analysis)
         plan.skipped += unreadable
@@ -450,7 +452,8 @@ def convert(
             max_shard_size=shard_size,
             # the source's string metadata where the target keeps some (safetensors)
             metadata=target.output_metadata(manifest.metadata, plan.aliases),
-            basename=basename,
+            # the stem the naming's loader looks for (diffusers' diffusion_pytorch_model)
+            basename=basename or naming_basename,
             single_file=single_file,
             dcp_serialization=dcp_serialization or DEFAULT_SERIALIZATION,
             world_size=world_size,
