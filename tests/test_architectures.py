@@ -83,29 +83,33 @@ def _llama_hf(folder: Path, *, heads: int = 4, kv_heads: int = 2, layers: int = 
 def test_a_family_with_no_megatron_naming_is_refused_naming_the_namings_it_has(
     tmp_path: Path,
 ) -> None:
-    """`--to megatron` of a torchtitan Qwen3 (a family ckpt maps between hf and torchtitan
-    only) mapped it to Hugging Face's names first and then failed with "Qwen3 has no mapping
-    from the hf naming to the megatron naming", a naming the user never named. It is refused
-    up front: no megatron naming, which ones there are, and the --to that works."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """`--to megatron` of a torchtitan Qwen3-MoE (a family ckpt maps between hf and torchtitan
+    only) mapped it to Hugging Face's names first and then failed with "no mapping from the hf
+    naming to the megatron naming", a naming the user never named. It is refused up front: no
+    megatron naming, which ones there are, and the --to that works."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3Config(
+    config = Qwen3MoeConfig(
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
         intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=2,
+        num_experts_per_tok=1,
         vocab_size=40,
     )
     torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "qwen3")
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "qwen3")
     titan = tmp_path / "titan"
     assert run_ckpt("convert", tmp_path / "qwen3", titan, "--to", "torchtitan").exit_code == 0
     out = tmp_path / "megatron"
     r = run_ckpt("convert", titan, out, "--to", "megatron")
     assert r.exit_code == 4, r.stdout + r.stderr
-    assert "Qwen3 has no megatron naming: ckpt knows it in hf, torchtitan, gguf names" in r.stderr
+    said = " ".join(r.stderr.split())
+    assert "Qwen3-MoE has no megatron naming: ckpt knows it in hf, torchtitan, gguf names" in said
     # llama.cpp's naming is one ckpt reads (a GGUF's), never one it writes
     assert "--to hf" in r.stderr and "hf naming" not in r.stderr and "--to gguf" not in r.stderr
     assert not out.exists()
