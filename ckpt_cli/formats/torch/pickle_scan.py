@@ -231,6 +231,24 @@ def keyed_ints(stream: bytes, keys: frozenset[str]) -> dict[str, int]:
     return found
 
 
+def keyed_flags(stream: bytes, keys: frozenset[str]) -> dict[str, bool]:
+    """The bool that follows each of `keys` where the pickle `stream` writes it as a dict key
+    and True or False as its value, the first time: Megatron-LM's `use_distributed_optimizer`
+    in the `args` of a rank's `model_optim_rng.pt`, read as `keyed_ints` reads ints."""
+    found: dict[str, bool] = {}
+    key: str | None = None
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(stream)):
+            if op.name in _PUTS or op.name == "MEMOIZE":
+                continue  # the memo's record of the key: the value comes next
+            if key is not None and op.name in ("NEWTRUE", "NEWFALSE"):
+                found.setdefault(key, op.name == "NEWTRUE")
+            key = arg if op.name in _STRINGS and arg in keys else None
+    except (ValueError, EOFError):
+        pass  # cut short: what was read before it stands
+    return found
+
+
 #: the opcodes torch's weights_only unpickler implements (torch 2.x: what torch.save's default
 #: pickle protocol 2 writes); it refuses a pickle with any other ("Unsupported operand")
 _TORCH_OPCODES = frozenset(
