@@ -312,6 +312,12 @@ CODES: dict[str, Code] = _codes(
     Code("missing_weights", _EW, "no model weights"),
     Code("not_resumable", _E, "no training state at all (weights only)"),
     Code(
+        "one_rank_folder",
+        _W,
+        "one rank folder of a legacy Megatron-LM save named alone (`iter_N/mp_rank_00/`): "
+        "only that rank's slices were checked; `ckpt verify iter_N/` checks the whole save",
+    ),
+    Code(
         "optimizer_ids_as_strings",
         _E,
         'optimizer state keyed by the strings "0", "1"… while its param_groups name int ids '

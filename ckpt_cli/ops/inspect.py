@@ -63,6 +63,8 @@ class InspectReport(Record):
         problems: format-rule violations that do not stop reading (a safetensors file with
             trailing bytes, a hole between tensors, a first tensor not at offset 0): what
             `verify` reports too; `ckpt inspect` exits 4 when there are any.
+        part_of: what part of a larger checkpoint SRC is, when it is one (a legacy Megatron-LM
+            rank folder: one rank's slices of the model), for people; None for a whole one.
     """
 
     location: str
@@ -86,6 +88,7 @@ class InspectReport(Record):
     layout: LayoutInfo | None = None
     problems: list[Problem] = Field(default_factory=list)
     architecture: NamingInfo | None = None
+    part_of: str | None = None
 
 
 def select(
@@ -215,6 +218,7 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
             layout=opened.layout,
             problems=malformed(checkpoint),
             architecture=_naming(opened, entries, manifest, stored),
+            part_of=opened.part_of,
         )
 
 

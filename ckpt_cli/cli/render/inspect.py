@@ -283,6 +283,8 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
             f"  architecture: {arch.title} ({arch.architecture}) in {arch.naming} names{where}",
             highlight=False,
         )
+    if report.part_of is not None:
+        stdout.print(f"  part of a larger checkpoint: {escape(report.part_of)}", highlight=False)
     for problem in report.problems:
         # on stderr, so the data on stdout stays what the file holds
         stderr.print(

@@ -14,7 +14,9 @@ import io
 import pickletools
 import re
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ...budgets import READ_CHUNK, ZIP_READ_ERRORS, check_inflated, read_member, walk_pickle
 from .zip_index import record_damage
@@ -210,7 +212,8 @@ def pickle_globals(data: bytes) -> list[str]:
     return found
 
 
-_INTS = {"BININT", "BININT1", "BININT2", "LONG1", "INT", "LONG"}
+#: a value `_keyed` reads after a key (an int, a bool)
+_V = TypeVar("_V")
 
 
 def _key_pattern(keys: frozenset[str]) -> re.Pattern[bytes]:
@@ -271,12 +274,20 @@ def keyed_ints(stream: bytes, keys: frozenset[str]) -> dict[str, int]:
     starts an opcode (never inside another string's bytes): one pass in C-speed runs, ~30 ns a
     byte, where stepping through `pickletools.genops` took ~370 (256 MiB of opcodes, a 6 MB
     deflated file: 95 CPU-s)."""
-    found: dict[str, int] = {}
+    return _keyed(stream, keys, _int_at)
+
+
+def _keyed(
+    stream: bytes, keys: frozenset[str], value_at: Callable[[bytes, int], _V | None]
+) -> dict[str, _V]:
+    """Each of `keys` the pickle `stream` writes as a string opcode (where an opcode starts),
+    with the value `value_at` reads right after it, the first time it reads one."""
+    found: dict[str, _V] = {}
 
     def at(start: int, end: int) -> None:
         key = _key_name(stream[start:end])
         if key in keys and key not in found:
-            value = _int_at(stream, end)
+            value = value_at(stream, end)
             if value is not None:
                 found[key] = value
 
@@ -299,6 +310,21 @@ def _key_name(opcode: bytes) -> str:
     else:  # S'...' or S"..."
         raw = opcode[2:-2]
     return raw.decode("ascii")
+
+
+def _flag_at(stream: bytes, pos: int) -> bool | None:
+    """The bool the opcode at `pos` of `stream` pushes (NEWTRUE / NEWFALSE, after any memo
+    opcodes), or None."""
+    pos = _MEMO_OPS.match(stream, pos).end()  # type: ignore[union-attr]  # `*` always matches
+    op = stream[pos : pos + 1]
+    return True if op == b"\x88" else False if op == b"\x89" else None
+
+
+def keyed_flags(stream: bytes, keys: frozenset[str]) -> dict[str, bool]:
+    """The bool that follows each of `keys` where the pickle `stream` writes it as a dict key
+    and True or False as its value, the first time: Megatron-LM's `use_distributed_optimizer`
+    in the `args` of a rank's `model_optim_rng.pt`, found as `keyed_ints` finds ints."""
+    return _keyed(stream, keys, _flag_at)
 
 
 #: the opcodes torch's weights_only unpickler implements (torch 2.x: what torch.save's default

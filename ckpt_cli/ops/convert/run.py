@@ -35,6 +35,7 @@ from ..shared.architecture import (
     naming_format,
     refuse_adapter,
     refuse_block_quantized_naming,
+    refuse_part,
     refuse_quantized_naming,
     source_config,
 )
@@ -345,6 +346,7 @@ def convert(
     opened = open_source(source, format)
     if naming is not None:
         refuse_adapter(opened, naming, src)
+        refuse_part(opened, naming, src)
         select = default_select(opened, select)
     # a lost file's component left out by --filter/--filter-out: written without it, knowingly
     lost_left_out = (
@@ -479,6 +481,9 @@ def convert(
         warnings += [with_fix(p.message, p.fix) for p in checkpoint.tolerated_problems()]
         if select is None and naming is None:
             warnings += lost_file_warnings(opened)
+        if opened.part_of is not None:
+            # copied as it is, names and slices kept: a part still, never the whole model
+            warnings.append(f"{opened.part_of}: the output holds that part alone, as it is")
         if not match_prefix:  # a component's rules are judged over the whole folder
             # a component left out whole (lost, unreadable) is matched though it lists nothing
             left_out = [f"{entry.name}." for entry in unreadable]

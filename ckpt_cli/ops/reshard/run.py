@@ -45,7 +45,7 @@ from ...formats.names import (
 from ...models import FileInfo
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts.base import Layout, OpenedSource
-from ...sources.opening import open_plain
+from ...sources.opening import open_plain, refuse_megatron_legacy_reshard
 from ...sources.runs.records import is_checksum_manifest
 from ...storage.output import Destination, check_destination
 from ..convert.plan import check_one_file_naming, guard_paths, local_dest, planned_files
@@ -420,6 +420,7 @@ def reshard_with(
         # SRC is resolved (listed, its Hub revision pinned) once: everything below reads it
         source = resolve_source(src)
         if format is None:
+            refuse_megatron_legacy_reshard(source)
             from ..shared.components import components_of
 
             found = components_of(source)
@@ -433,6 +434,7 @@ def reshard_with(
         rules += load_plan(plan)
     source = resolve_source(src)  # once: the layout check and the re-cut read it
     if format is None:
+        refuse_megatron_legacy_reshard(source)
         folder = _training_folder(source)
         if folder is not None:
             source, opened, layout = folder

@@ -154,6 +154,27 @@ def refuse_adapter(opened: OpenedSource, target: str, where: str) -> None:
     )
 
 
+def refuse_part(opened: OpenedSource, target: str, where: str) -> None:
+    """One part of a larger checkpoint (`OpenedSource.part_of`: a legacy Megatron-LM rank
+    folder, one rank's slices of the weights) is no model: mapped to a naming it would be
+    written as one, half-width or missing layers, and loaded without a word.
+
+    Raises:
+        FormatError: when `opened` is such a part.
+    """
+    if opened.part_of is None:
+        return
+    raise FormatError(
+        f"{opened.part_of}, so it cannot be mapped to the {target} naming (the output would "
+        "be that rank's slices written as the model)",
+        path=where,
+        fix="Join the ranks first: convert the save to Megatron-LM's torch_dist format "
+        "(Megatron-LM's `--ckpt-convert-format torch_dist --ckpt-convert-save DIR`, or its "
+        f"tools/checkpoint/convert.py), then run `ckpt convert DIR --to {target}`; or copy "
+        "this rank as it is with --to safetensors / torch.",
+    )
+
+
 def source_config(storage: Storage) -> dict[str, Any] | None:
     """The source folder's own `config.json` as a dict, when it has a readable one."""
     try:

@@ -24,11 +24,11 @@ from ...findings import problem_from_error, restore_fix
 from ...formats import get_format, resolve_source
 from ...formats.base import Checkpoint, Source
 from ...heap import gc_paused
-from ...models import Problem, Request
+from ...models import Problem, ProblemList, Request
 from ...progress import NULL_PROGRESS, Progress
 from ...sizes import counted
 from ...sources.layouts import OpenedSource
-from ...sources.opening import SourceOpener, recognise_layout
+from ...sources.opening import SourceOpener, megatron_save_checks, recognise_layout
 from ...storage.hashing import ALGORITHMS
 from ..parity import ParityCheck, check_parity, damage_text
 from .checksum_manifest import MANIFEST_NAME, manifest_exists, manifest_location
@@ -173,8 +173,21 @@ def verify_with(
     # a training folder (Trainer, accelerate, DeepSpeed) is checked component by component
     opened = recognise_layout(source) if format is None else None
     opener = SourceOpener(resolved, format)
+    # a whole legacy Megatron-LM save (`iter_N/mp_rank_*/`): every rank folder, each as
+    # verify checks one (the run folders' names imported here alone: a plain model's
+    # verify never loads them, start-up #30)
+    whole_save = (
+        megatron_save_checks(source, resumable, request.exact)
+        if format is None and opened is None and source.target is None
+        else None
+    )
     try:
-        name, source, problems = structure_checks(source, format, opener, opened)
+        if whole_save is not None:
+            from ...sources.runs.naming import MEGATRON
+
+            name, problems = MEGATRON, ProblemList(whole_save)
+        else:
+            name, source, problems = structure_checks(source, format, opener, opened)
         report = VerifyReport(
             location=source.location.raw, format=name, ok=True, checks=["structure"]
         )
@@ -206,10 +219,16 @@ def verify_with(
         report.files = len(considered)
         report.bytes = sum(considered.values())
         report.training = opened.training if opened is not None else None
-        if not any(p.severity == "error" for p in problems):
-            _quant_checks(report, problems, name, source, opener, opened, deep=deep)
-        if resumable or deep:
-            _open_checks(report, problems, src, opener, opened, request, progress)
+        if whole_save is not None:
+            # each rank folder was checked on its own, its training state too
+            report.checks += ["resumable"] if resumable else []
+            if deep:
+                problems.append(_deep_per_rank(source))
+        else:
+            if not any(p.severity == "error" for p in problems):
+                _quant_checks(report, problems, name, source, opener, opened, deep=deep)
+            if resumable or deep:
+                _open_checks(report, problems, src, opener, opened, request, progress)
     finally:
         if opened is not None:
             opened.checkpoint.close()
@@ -248,6 +267,20 @@ def verify_with(
     report.warnings = problems.found("warning")
     report.ok = report.errors == 0
     return report
+
+
+def _deep_per_rank(source: Source) -> Problem:
+    """The warning for `--deep` of a whole legacy Megatron-LM save: its tensors are read one
+    rank folder at a time."""
+    where = source.location.raw.rstrip("/")
+    return Problem(
+        code="not_checked",
+        severity="warning",
+        message=f"{where}: --deep reads the tensors of one rank folder at a time; the whole "
+        "save's were not read",
+        file=where,
+        fix=f"Run `ckpt verify {where}/RANK_FOLDER --deep` for each rank folder (`mp_rank_00`...).",
+    )
 
 
 def _nested_saves(source: Source, nested: list[str]) -> Problem:
@@ -457,7 +490,14 @@ def _open_checks(
             from ...sources.layouts.training import training_checks
 
             report.checks.append("resumable")
-            problems.extend(training_checks(opened, exact=request.exact))
+            # the layout's own findings (`OpenedSource.problems`) were said by the structural
+            # check already: once is enough
+            said = {(p.code, p.file, p.message) for p in problems}
+            problems.extend(
+                p
+                for p in training_checks(opened, exact=request.exact)
+                if (p.code, p.file, p.message) not in said
+            )
         if deep:
             report.checks.append("deep")
             _deep(report, problems, checkpoint, progress)

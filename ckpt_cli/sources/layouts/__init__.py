@@ -13,6 +13,7 @@ Layouts recognised (from file names, then from the keys of the loaded objects):
 | `accelerate` | `Accelerator.save_state` folders: `model.safetensors`, `optimizer.bin`, `scheduler.bin`, `sampler.bin`, `random_states_N.pkl`, `custom_checkpoint_N.pkl`; FSDP's `pytorch_model_fsdp_N/` + `optimizer_N/` (DCP), `pytorch_model_fsdp.bin`, or per-rank `pytorch_model_fsdp[_N]_rankR.bin` + `optimizer_N_rankR.bin` |
 | `torch-files` | a training loop's step folder of separate torch.save files: `model.pt`, `optimizer.pt`, `scheduler.pt`, `rng.pt`... (`torch_files`) |
 | `deepspeed` | `global_stepN/` (`mp_rank_00_model_states.pt`, `*_optim_states.pt`), or its parent with `latest` |
+| `megatron-legacy` | one rank folder of a legacy Megatron-LM save (`iter_N/mp_rank_TT/`): `model_optim_rng.pt`, and `distrib_optim.pt` with the distributed optimizer (`megatron_rank`) |
 | `torchtitan` | DCP folders with `optimizer.` / `lr_scheduler.` / `dataloader.` / `train_state.` keys beside the model's top-level keys (0.3), or `model.` (older) |
 | `diffusers-pipeline` / `sentence-transformers` | `model_index.json` / `modules.json` folders: one composite of their components (`ckpt_cli.sources.layouts.model_folders`) |
 | `lightning` | a Lightning `.ckpt`: `state_dict`, `optimizer_states`, `lr_schedulers`, `epoch`, `global_step`, `loops` |
@@ -36,7 +37,7 @@ checkpoint; `composite` builds the one-checkpoint view of a folder (its typed de
 `details.CompositeDetails`); `training` holds the optimizer / scheduler / RNG / data-loader
 analysis and the resumable / exact verdict; `ranks` what a multi-process save wrote and
 which rank's files it lost; `megatron_legacy` which rank folders a legacy Megatron-LM save
-(`iter_N/mp_rank_*/`) must hold; `model_folders` the PEFT / diffusers / sentence-transformers / GGUF
+(`iter_N/mp_rank_*/`) must hold, `megatron_rank` one of those folders named alone; `model_folders` the PEFT / diffusers / sentence-transformers / GGUF
 descriptions.
 """
 
@@ -107,6 +108,8 @@ __all__ = [
 #: superset of it), so a folder of plain model files imports no layout module at all.
 FOLDER_REGISTRY: tuple[tuple[str, str, re.Pattern[str]], ...] = (
     ("deepspeed", "DeepSpeed", re.compile(r"latest|.*mp_rank_\d+_model_states\.pt")),
+    # a legacy Megatron-LM rank folder (`iter_N/mp_rank_00/`): its own file names
+    ("megatron_rank", "MegatronRank", re.compile(r"model_optim_rng\.pt")),
     # before the Trainer: its `optimizer.pt` / `scheduler.pt` are a plain loop's names too
     ("torch_files", "TorchFiles", re.compile(r"[A-Za-z0-9_]+\.pth?")),
     (

@@ -66,6 +66,10 @@ class OpenedSource:
     #: the components such files are: component -> its file (accelerate's `sampler.bin` is
     #: the `sampler`, which `prune --slim-older-than` removes with the other resume state)
     listed_parts: dict[str, str] = field(default_factory=dict)
+    #: what part of a larger checkpoint this source is, for people, when it is one (a legacy
+    #: Megatron-LM rank folder: one rank's slices of the model): an export to a framework
+    #: naming, which needs the whole model, is refused; None for a whole checkpoint
+    part_of: str | None = None
 
 
 class Layout(ABC):

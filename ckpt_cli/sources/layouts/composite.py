@@ -216,7 +216,11 @@ class CompositeCheckpoint(Checkpoint):
         subfolders: dict[str, str] | None = None,
         wrappers: dict[str, str] | None = None,
         padding: dict[str, list[tuple[int, int]]] | None = None,
+        root: str | None = None,
     ):
+        """`root`: the component whose entries keep their own names, unprefixed (a legacy
+        Megatron-LM rank folder's `model_optim_rng.pt`, read as it is read alone, beside its
+        `distrib_optim.pt`)."""
         from ...formats.torch.format import TorchEntry
 
         subfolders = subfolders or {}
@@ -248,6 +252,8 @@ class CompositeCheckpoint(Checkpoint):
                 if wrapper:  # the wrapper's own step goes with its name
                     inner = inner[1:] if inner and f"{inner[0][1]}." == wrapper else ()
                 inner = inner or ((("dict", short),) if short else ())
+                if comp == root:
+                    name, inner = entry.name, entry.saved_keys() or (("dict", entry.name),)
                 fields = {k: getattr(entry, k) for k in Entry.model_fields}
                 fields["name"] = name
                 if sub:
@@ -255,7 +261,8 @@ class CompositeCheckpoint(Checkpoint):
                     if entry.chunks:
                         fields["chunks"] = [replace(c, file=f"{sub}{c.file}") for c in entry.chunks]
                 # the key path lets the torch writer rebuild {"model": {...}, "optimizer": {...}}
-                entries.append(TorchEntry.of(fields, (("dict", comp), *inner)))
+                path = inner if comp == root else (("dict", comp), *inner)
+                entries.append(TorchEntry.of(fields, path))
                 self._route[name] = (checkpoint, entry.name)
         files.extend(other_files)
         manifest = Manifest(
@@ -615,7 +622,9 @@ class Folder:
             key = f"{comp}_{match.group(1)}" if match and (len(files) > 1 or several) else comp
             self.add(key, name, fmt, root=root)
 
-    def composite(self, layout: str) -> CompositeCheckpoint:
+    def composite(self, layout: str, root: str | None = None) -> CompositeCheckpoint:
+        """The folder's components as one checkpoint (`root`: the component whose entries
+        keep their own names, see `CompositeCheckpoint`)."""
         other = [
             FileInfo(path=rel, size=size, entries=0)
             for rel, size in self.source.files.items()
@@ -633,6 +642,7 @@ class Folder:
             self.subfolders,
             self.wrappers,
             self.padding,
+            root,
         )
 
 

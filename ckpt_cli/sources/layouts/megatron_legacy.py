@@ -15,6 +15,19 @@ Names only here: the caller reads the sizes from a rank file's pickle opcodes
 (`runs.judge.model_states_ints`: nothing unpickled, no tensor data) and this module says which
 rank folders those sizes call for and which of them the save lacks. Without readable sizes, a
 gap in the numbering of the folders present is still one.
+
+With `--use-distributed-optimizer`, the optimizer's state is not in `model_optim_rng.pt`: its
+`optimizer` holds the param groups alone, and megatron-core's `DistributedOptimizer.
+save_parameter_state` writes the fp32 master weights and the Adam moments of the rank's
+parameters, gathered over its data-parallel group, to `distrib_optim.pt` beside it
+(`get_distributed_optimizer_checkpoint_name`: a `torch.save` of `{"buckets_coalesced": True,
+<buffer index>: {<dtype>: {"param", "exp_avg", "exp_avg_sq": flat fp32 tensors,
+"numel_unpadded": int}}}`). `load_checkpoint` reads it whenever the args say so; a rank folder
+without it resumes nowhere. `missing_distrib_optim` names the folders that lack it.
+
+A rank folder is one model-parallel rank of the save, never the whole: its tensors are that
+rank's slices (`tensor_model_parallel_size` splits each layer's weights, pipeline stages hold
+different layers). `rank_text` says so for a rank folder named alone.
 """
 
 from __future__ import annotations
@@ -29,6 +42,13 @@ from ...errors import MissingRanksError
 
 #: the file each rank folder holds (Megatron-LM's `model_optim_rng.pt`)
 RANK_FILE = "model_optim_rng.pt"
+#: the distributed optimizer's state of a rank folder (`DistributedOptimizer.
+#: save_parameter_state`, written by the rank's first data-parallel rank)
+DISTRIB_OPTIM = "distrib_optim.pt"
+#: the args that say whether a rank folder holds `distrib_optim.pt`: Megatron-LM writes it
+#: with `--use-distributed-optimizer`, unless `--no-save-optim` saves no optimizer at all
+DIST_OPT, NO_SAVE_OPTIM = "use_distributed_optimizer", "no_save_optim"
+FLAG_KEYS = frozenset({DIST_OPT, NO_SAVE_OPTIM})
 #: a rank folder: `mp_rank_TT`, `mp_rank_TT_PPP`, `mp_rank_TT_PPP_EEE` (or `mp_rank_TT_EEE`
 #: with one pipeline stage and several expert-parallel ranks)
 RANK_FOLDER = re.compile(r"mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?")
@@ -136,10 +156,7 @@ def missing_ranks(names: Iterable[str], sizes: Mapping[str, int]) -> MissingRank
     expected = expected_folders(sizes)
     if expected is not None and not present.isdisjoint(expected):
         missing = [name for name in expected if name not in present]
-        basis = f"{TP} {sizes.get(TP, 1)} × {PP} {sizes.get(PP, 1)}"
-        if sizes.get(EP, 1) > 1:
-            basis += f" × {EP} {sizes[EP]}"
-        basis = f"its args ({basis})"
+        basis = f"its args ({sizes_text(sizes)})"
         count = len(expected)
     else:
         missing = _gaps(present) if present else sorted(folders)
@@ -182,3 +199,79 @@ def rank_file_to_read(folders: Mapping[str, bool]) -> str | None:
     (every rank writes the same args)."""
     present = sorted(name for name, whole in folders.items() if whole)
     return f"{present[0]}/{RANK_FILE}" if present else None
+
+
+def holds_distrib_optim(flags: Mapping[str, bool]) -> bool:
+    """Whether a save whose args record `flags` (`FLAG_KEYS`) writes `distrib_optim.pt` into
+    every rank folder."""
+    return flags.get(DIST_OPT, False) and not flags.get(NO_SAVE_OPTIM, False)
+
+
+def missing_distrib_optim(names: Iterable[str], flags: Mapping[str, bool]) -> list[str]:
+    """The `distrib_optim.pt` files (`mp_rank_00/distrib_optim.pt`) the rank folders present
+    in a legacy save (`names`: the paths of its folder, relative to it) lack, when its args
+    (`flags`) say the distributed optimizer wrote one into each; empty otherwise."""
+    if not holds_distrib_optim(flags):
+        return []
+    listed = set(names)
+    folders = rank_folders(listed)
+    return [
+        f"{name}/{DISTRIB_OPTIM}"
+        for name, whole in sorted(folders.items())
+        if whole and f"{name}/{DISTRIB_OPTIM}" not in listed
+    ]
+
+
+def missing_distrib_optim_text(missing: list[str]) -> str:
+    """The problem, for people: which `distrib_optim.pt` files are missing, and why it
+    matters."""
+    shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    return (
+        f"lacks {shown}: its args record {DIST_OPT}=True, so the optimizer's state (fp32 "
+        f"master weights, Adam moments) is in each rank folder's {DISTRIB_OPTIM}, not in "
+        f"{RANK_FILE}; Megatron-LM's load_checkpoint cannot resume the optimizer without it"
+    )
+
+
+#: the fix of a legacy save that lacks `distrib_optim.pt`
+DISTRIB_OPTIM_FIX = (
+    f"Restore {DISTRIB_OPTIM} from the node that wrote it, or resume from an older complete "
+    "save (`ckpt latest RUN_DIR` names it); to start from the weights alone, Megatron-LM's "
+    "--no-load-optim skips the optimizer's state."
+)
+
+
+def rank_count(sizes: Mapping[str, int]) -> int | None:
+    """How many rank folders a save whose args record `sizes` holds (None when they record no
+    usable tensor-parallel size)."""
+    expected = expected_folders(sizes)
+    return len(expected) if expected is not None else None
+
+
+def sizes_text(sizes: Mapping[str, int]) -> str:
+    """The parallel sizes `sizes` records, for people (`tensor_model_parallel_size 2 ×
+    pipeline_model_parallel_size 1`)."""
+    text = f"{TP} {sizes.get(TP, 1)} × {PP} {sizes.get(PP, 1)}"
+    if sizes.get(EP, 1) > 1:
+        text += f" × {EP} {sizes[EP]}"
+    return text
+
+
+def rank_text(folder: str, sizes: Mapping[str, int]) -> str | None:
+    """What a rank folder named alone is, for people: one of how many rank folders, holding
+    which part of the weights; None when its args say the save has one rank folder (or
+    record no sizes)."""
+    count = rank_count(sizes)
+    if count is None or count < 2:
+        return None
+    parts = []
+    if sizes.get(TP, 1) > 1:
+        parts.append(f"1/{sizes[TP]} of each tensor-parallel weight")
+    if sizes.get(PP, 1) > 1:
+        parts.append(f"the layers of one of {sizes[PP]} pipeline stages")
+    if sizes.get(EP, 1) > 1:
+        parts.append(f"the experts of one of {sizes[EP]} expert-parallel ranks")
+    return (
+        f"{folder}/ is one of the {count} rank folders of a legacy Megatron-LM save "
+        f"({sizes_text(sizes)} in its args): it holds {', '.join(parts)}, not the whole model"
+    )

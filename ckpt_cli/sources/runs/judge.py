@@ -39,8 +39,11 @@ from ...storage.base import FolderView
 from ...storage.output import TMP_MARKER, staging_held
 from ...storage.uri import parse_location
 from ..layouts.megatron_legacy import (
+    FLAG_KEYS,
     SIZE_KEYS,
     MissingRanks,
+    missing_distrib_optim,
+    missing_distrib_optim_text,
     missing_ranks,
     missing_ranks_text,
     rank_file_to_read,
@@ -750,16 +753,21 @@ def _megatron_problem(storage: Storage, folder: str, files: Mapping[str, int]) -
     writes `common.pt`, then the DCP, then `metadata.json` last, its finalize step after an
     async save's writes, and its `load` reads `metadata.json` first); a legacy save
     (`mp_rank_*/model_optim_rng.pt`) that lacks rank folders its args call for
-    (`megatron_missing_ranks`)."""
+    (`megatron_missing_ranks`), or the `distrib_optim.pt` its args say each rank folder holds
+    (`megatron_legacy.missing_distrib_optim`)."""
     start = f"{folder}/"
     names = [rel[len(start) :] for rel in files if rel.startswith(start)]
     top = set(names)
     torch_dist = "common.pt" in top or holds_dcp(top)
     if not torch_dist:
-        missing = megatron_missing_ranks(storage, folder, names)
-        if missing is None:
-            return None
-        return f"{missing_ranks_text(missing)}; restore them from the node that wrote them"
+        sizes, flags = megatron_legacy_args(storage, folder, names)
+        missing = missing_ranks(names, sizes) if rank_folders(names) else None
+        if missing is not None:
+            return f"{missing_ranks_text(missing)}; restore them from the node that wrote them"
+        lost = missing_distrib_optim(names, flags)
+        if lost:
+            return f"{missing_distrib_optim_text(lost)}; restore it from the node that wrote it"
+        return None
     if "metadata.json" in top:
         return None
     return (
@@ -777,18 +785,42 @@ def megatron_missing_ranks(
     pickle opcodes (`model_states_ints`: nothing unpickled, no tensor data); one that cannot
     be read leaves the numbering of the folders present to tell. None for no legacy save."""
     listed = list(names)
-    folders = rank_folders(listed)
-    if not folders:
+    if not rank_folders(listed):
         return None
-    sizes: dict[str, int] = {}
-    rank_file = rank_file_to_read(folders)
-    if rank_file is not None:
-        rel = f"{folder}/{rank_file}" if folder else rank_file
-        try:
-            sizes = model_states_ints(storage, rel, SIZE_KEYS)
-        except (zipfile.BadZipFile, OSError, CkptError) as exc:
-            no_verdict(exc)  # the store or the OS refused: no verdict on the file
+    sizes, _flags = megatron_legacy_args(storage, folder, listed)
     return missing_ranks(listed, sizes)
+
+
+def megatron_legacy_args(
+    storage: Storage, folder: str, names: Iterable[str]
+) -> tuple[dict[str, int], dict[str, bool]]:
+    """What the `args` of a legacy Megatron-LM save (`folder` of `storage`, "" for the storage
+    itself; `names` the paths inside it) record: its parallel sizes (`SIZE_KEYS`) and its
+    optimizer flags (`FLAG_KEYS`), read from the lowest rank's `model_optim_rng.pt` by its
+    pickle opcodes (nothing unpickled, no tensor data). Both empty when there is no rank file
+    or it cannot be read (its own check names what is wrong with it)."""
+    rank_file = rank_file_to_read(rank_folders(names))
+    if rank_file is None:
+        return {}, {}
+    rel = f"{folder}/{rank_file}" if folder else rank_file
+    try:
+        data = _model_states_pickle(storage, rel)
+    except (zipfile.BadZipFile, OSError, CkptError) as exc:
+        no_verdict(exc)  # the store or the OS refused: no verdict on the file
+        return {}, {}
+    from ...formats.torch.pickle_scan import keyed_flags, keyed_ints
+
+    return keyed_ints(data, SIZE_KEYS), keyed_flags(data, FLAG_KEYS)
+
+
+def _model_states_pickle(storage: Storage, rel: str) -> bytes:
+    """The `data.pkl` of a torch.save zip, at most `MAX_SCAN_BYTES` of it (empty when it has
+    none). Raises what reading the zip raises (BadZipFile, OSError, CkptError)."""
+    from ...formats.torch.pickle_scan import MAX_SCAN_BYTES
+
+    with zipfile.ZipFile(_TailFile(storage, rel, storage.size(rel))) as archive:
+        pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+        return read_member(archive, pickles[0], MAX_SCAN_BYTES, rel) if pickles else b""
 
 
 def model_states_ints(storage: Storage, rel: str, keys: frozenset[str]) -> dict[str, int]:
@@ -796,12 +828,9 @@ def model_states_ints(storage: Storage, rel: str, keys: frozenset[str]) -> dict[
     `model_optim_rng.pt`) records under `keys`, read
     from its `data.pkl`'s opcodes (`pickle_scan.keyed_ints`): nothing unpickled, no torch, no
     tensor data. Raises what reading the zip raises (BadZipFile, OSError, CkptError)."""
-    from ...formats.torch.pickle_scan import MAX_SCAN_BYTES, keyed_ints
+    from ...formats.torch.pickle_scan import keyed_ints
 
-    with zipfile.ZipFile(_TailFile(storage, rel, storage.size(rel))) as archive:
-        pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
-        data = read_member(archive, pickles[0], MAX_SCAN_BYTES, rel) if pickles else b""
-    return keyed_ints(data, keys)
+    return keyed_ints(_model_states_pickle(storage, rel), keys)
 
 
 def deepspeed_states_step(storage: Storage, tag: str, files: Mapping[str, int]) -> int | None:
