@@ -259,7 +259,10 @@ _SCHEDULERS = (
     ("T_0", "CosineAnnealingWarmRestarts"),
     ("milestones", "MultiStepLR"),
     ("step_size", "StepLR"),
-    ("total_iters", "LinearLR/ConstantLR/PolynomialLR"),
+    # the three save `total_iters`; only LinearLR a `start_factor`, only PolynomialLR a `power`
+    ("start_factor", "LinearLR"),
+    ("power", "PolynomialLR"),
+    ("total_iters", "ConstantLR"),
     ("gamma", "ExponentialLR"),
     ("patience", "ReduceLROnPlateau"),
 )
