@@ -495,6 +495,31 @@ def test_complete_torch_dict_is_resumable_and_checks_pass(tmp_path: Path) -> Non
     assert [p.code for p in training_checks(open_source(str(weights_only)))] == ["not_resumable"]
 
 
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        torch.optim.lr_scheduler.LinearLR,
+        torch.optim.lr_scheduler.ConstantLR,
+        torch.optim.lr_scheduler.PolynomialLR,
+        torch.optim.lr_scheduler.ReduceLROnPlateau,
+    ],
+)
+def test_the_scheduler_is_named_by_the_keys_only_its_class_saves(
+    tmp_path: Path, scheduler: type
+) -> None:
+    """LinearLR (the warm-up of many accelerate loops), ConstantLR and PolynomialLR all save
+    `total_iters`: `inspect` said "LinearLR/ConstantLR/PolynomialLR" for each, though
+    `start_factor`, `factor` and `power` tell them apart."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = scheduler(opt)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    torch.save({**state, "scheduler": sched.state_dict(), "step": 0}, tmp_path / "last.pt")
+    result = run_ckpt("inspect", tmp_path / "last.pt", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["result"]["training"]["scheduler"]["kind"] == scheduler.__name__
+
+
 @pytest.mark.parametrize("saved_by", ["torch.save", "dcp.save"])
 def test_an_optimizer_state_saved_alone_is_optimizer_state_not_parameters(
     tmp_path: Path, saved_by: str

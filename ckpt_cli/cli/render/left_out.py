@@ -17,6 +17,18 @@ MAX_LISTED = 8
 GROUPED_FROM = 3
 
 
+def _group(name: str) -> str:
+    """The folder a left-out file is counted under: the top folder of a name inside the
+    source (`checkpoint-500/`), the folder holding it for a path as the user typed it
+    (`merge`'s ADAPTER files: `/runs/lora/checkpoint-500/`, never `/`)."""
+    if "/" not in name:
+        return name
+    top = name.split("/", 1)[0]
+    if top in ("", ".", ".."):
+        return name.rsplit("/", 1)[0] + "/"
+    return top + "/"
+
+
 def render_not_in_output(skipped: Sequence[SkippedEntry]) -> None:
     """What the output does not hold, on stderr: each file, then the entries by reason (a dry
     run says the same as the run it plans)."""
@@ -25,8 +37,7 @@ def render_not_in_output(skipped: Sequence[SkippedEntry]) -> None:
     lines: dict[tuple[str, str], list[str]] = {}
     for item in skipped:
         if item.kind == "file":
-            folder = item.name.split("/", 1)[0] + "/" if "/" in item.name else item.name
-            lines.setdefault((folder, item.reason), []).append(item.name)
+            lines.setdefault((_group(item.name), item.reason), []).append(item.name)
     shown = [
         f"{one_line(folder)} ({len(names)} files): {reason}"
         if len(names) > GROUPED_FROM

@@ -58,12 +58,22 @@ class Trainer(Layout):
             return []
         steps = f"step {step}" if isinstance(step, int) else "its step"
         ranks = counted(after, "rank")
+        recorded = _accumulation(checkpoint.source)
+        # no training_args.bin says it: the numbers are those of one accumulation step
+        accumulation = recorded or 1
+        how = (
+            f"trainer_state.json train_batch_size {batch} x training_args.bin "
+            f"gradient_accumulation_steps {recorded} x {before} ranks"
+            if recorded is not None
+            else f"trainer_state.json train_batch_size {batch} x {before} ranks, times "
+            "gradient_accumulation_steps: no training_args.bin here says how many"
+        )
+        was, now = batch * accumulation * before, batch * accumulation * after
         return [
             f"the global batch changes: the data position ({steps}) was counted in global "
-            f"batches of {batch * before} samples (trainer_state.json train_batch_size {batch} "
-            f"x {before} ranks, times gradient accumulation); at {ranks} the same settings "
-            f"make it {batch * after} samples, so the resumed run skips other samples than "
-            f"the saved run saw. It stays {batch * before} only if per_device_train_batch_size "
+            f"batches of {was} samples ({how}); at {ranks} the same settings "
+            f"make it {now} samples, so the resumed run skips other samples than "
+            f"the saved run saw. It stays {was} only if per_device_train_batch_size "
             f"x gradient_accumulation_steps x {after} does."
         ]
 
@@ -150,6 +160,20 @@ class Trainer(Layout):
 
 #: what a Trainer saves beside the weights unless `save_only_model` is set
 _TRAINER_STATE_FILES = ("optimizer.pt", "scheduler.pt")
+
+
+def _accumulation(source: Source) -> int | None:
+    """`gradient_accumulation_steps` from the `training_args.bin` at the top of a Trainer save
+    (see `training_arg_values`), or None when there is none or it does not say."""
+    rel = "training_args.bin"
+    if rel not in source.files:
+        return None
+    value = training_arg_values(source, rel, ("gradient_accumulation_steps",)).get(
+        "gradient_accumulation_steps"
+    )
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        return None
+    return value
 
 
 def _save_only_model(source: Source, rel: str) -> bool | None:

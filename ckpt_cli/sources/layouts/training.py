@@ -259,7 +259,10 @@ _SCHEDULERS = (
     ("T_0", "CosineAnnealingWarmRestarts"),
     ("milestones", "MultiStepLR"),
     ("step_size", "StepLR"),
-    ("total_iters", "LinearLR/ConstantLR/PolynomialLR"),
+    # the three save `total_iters`; only LinearLR a `start_factor`, only PolynomialLR a `power`
+    ("start_factor", "LinearLR"),
+    ("power", "PolynomialLR"),
+    ("total_iters", "ConstantLR"),
     ("gamma", "ExponentialLR"),
     ("patience", "ReduceLROnPlateau"),
 )
@@ -542,6 +545,10 @@ def no_training_state(opened: OpenedSource) -> str:
     return "its entries are laid out as no training framework ckpt knows saves them"
 
 
+#: who saves an item a checkpoint lacks (see `training_checks`)
+_SAVERS = "the Trainer and accelerate's save_state do"
+
+
 def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
     """What `verify --resumable` reports: every reason the checkpoint cannot resume the run.
 
@@ -584,6 +591,11 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
         "rng": "the RNG states (torch, CUDA, numpy, random)",
         "dataloader": "the data loader's (or sampler's) state",
     }
+    #: who saves it, where not both of the Trainer and accelerate's save_state do
+    savers = {
+        "dataloader": "the Trainer does, and accelerate's save_state with "
+        "DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=True)"
+    }
     fixes: dict[str, str] = {}
     if state.dataloader and isinstance(state.dataloader.get("reason"), str):
         # saved, but the framework will not restore it (the Trainer's ignore_data_skip)
@@ -592,6 +604,15 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
             "For an exact resume, resume with ignore_data_skip=False (TrainingArguments' "
             "default), so the Trainer skips the batches trained on, or resume from a save at "
             "an epoch's end."
+        )
+    elif state.layout == "accelerate":
+        # save_state keeps a data position only for torchdata's StatefulDataLoader
+        fixes["dataloader"] = (
+            "For an exact resume, create the Accelerator with dataloader_config="
+            "DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=True): "
+            "save_state then saves the data loader's position (dl_state_dict.bin) and "
+            "load_state restores it, in the same shuffled order; or resume from a checkpoint "
+            "of the run that holds it."
         )
     said = {p.code for p in problems}
     for item in REQUIRED:
@@ -614,9 +635,9 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
                     file=where,
                     severity="error" if exact else "warning",
                     fix=fixes.get(item)
-                    or f"For an exact resume, save {saved[item]} with the checkpoint (the "
-                    "Trainer and accelerate's save_state do), or resume from a checkpoint of the "
-                    "run that holds it.",
+                    or f"For an exact resume, save {saved[item]} with the checkpoint "
+                    f"({savers.get(item, _SAVERS)}), or resume from a checkpoint of the run that "
+                    "holds it.",
                 )
             )
     opt = state.optimizer
