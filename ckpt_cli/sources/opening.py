@@ -276,8 +276,11 @@ def refuse_megatron_legacy_reshard(source: Source) -> None:
     if source.target is not None:
         return
     layout = folder_layout_of(source)
-    if layout is not None and layout.name != "megatron-legacy":
-        return
+    if layout is not None:
+        from .layouts.megatron_rank import MegatronRank
+
+        if layout.name != MegatronRank.name:
+            return
     if layout is None:
         if not holds_only_nested_checkpoints(source):
             return
