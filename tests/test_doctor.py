@@ -19,6 +19,7 @@ import torch
 from .conftest import REPO, run_ckpt
 from .dist_helpers import run_torchrun
 from .doctor_jobs import (
+    ACCELERATE_PACE,
     CASES,
     DECLARED,
     DOWN_SECONDS,
@@ -752,6 +753,101 @@ def test_trainer_runs_without_a_planted_fault_in_the_trainer(
             "checkpoint-4 holds no RNG state (no rng_state.pth, which checkpoint-6 holds), "
             "slimmed by `ckpt prune`: the resume from checkpoint-4 had none to restore"
         ], report["causes"]
+
+
+@pytest.mark.frameworks
+@pytest.mark.timeout(1200)
+def test_trainer_resumed_with_other_settings_names_the_setting(trainer_runs: Path) -> None:
+    """Trainer runs resumed from checkpoint-4 with another data_seed, scheduler type, warm-up,
+    max_steps or max_grad_norm, or from a save_only_model=True save: doctor said NO CAUSE FOUND
+    (the settings live in training_args.bin and trainer_state.json, no state tensor), and for
+    the weights-only save "save the scheduler's state", a plain loop's fix."""
+
+    def top(case: str) -> dict[str, Any]:
+        result = run_ckpt("doctor", trainer_runs / case, "--json")
+        assert result.exit_code == 1, result.stdout
+        cause: dict[str, Any] = result.json["result"]["causes"][0]
+        return cause
+
+    seed = top("data_seed")
+    assert seed["title"] == "the run was resumed with another data seed: another data order"
+    assert seed["evidence"][0].startswith(
+        "data_seed unset → 7 at the resume (training_args.bin of checkpoint-4 and "
+        "checkpoint-6): the sampler shuffles with 7 (was 0)"
+    ), seed["evidence"]
+    assert "data_seed unset here" in seed["fix"]
+    assert top("scheduler_type")["evidence"] == [
+        "lr_scheduler_type linear at checkpoint-4, cosine at checkpoint-6 (training_args.bin)"
+    ]
+    assert top("warmup")["evidence"] == [
+        "warmup_steps 2 at checkpoint-4, 4 at checkpoint-6 (training_args.bin)"
+    ]
+    extended = top("extended")
+    assert extended["evidence"][0].startswith(
+        "total steps 8 at checkpoint-4, 16 at checkpoint-6 (trainer_state.json max_steps): "
+        "the linear schedule now runs over 16 steps"
+    ), extended["evidence"]
+    assert "--expect schedule" in extended["fix"]
+    clip = top("grad_clip")
+    assert clip["evidence"][0].startswith(
+        "gradient clipping norm 1 at checkpoint-4, 0.1 at checkpoint-6 (training_args.bin "
+        "max_grad_norm)"
+    ), clip["evidence"]
+    model_only = top("save_only_model")
+    assert "save_only_model=True" in model_only["evidence"][0], model_only
+    assert "Train with save_only_model=False" in model_only["fix"]
+    declared = run_ckpt("doctor", trainer_runs / "extended", "--expect", "schedule", "--json")
+    assert declared.exit_code == 0, declared.stdout
+    assert [c["id"] for c in declared.json["result"]["causes"]] == ["schedule_changed"]
+
+
+@pytest.mark.frameworks
+@pytest.mark.timeout(600)
+def test_accelerate_scheduler_pace_and_an_unsaved_scheduler(
+    tmp_path: Path,
+) -> None:
+    """accelerate under gradient accumulation steps a prepared scheduler once per optimizer
+    step with `step_scheduler_with_optimizer=True`, on every micro-batch with it False. A run
+    trained with it False was called inconsistent at every save (scheduler 2x the step); one
+    resumed with the other setting got a "ran ahead: stepped again to catch up" fix, or
+    nothing."""
+    pytest.importorskip("accelerate", reason="the job needs accelerate (the frameworks extra)")
+    out = _build("accelerate_pace", tmp_path / "job")
+    for case, (_, want) in ACCELERATE_PACE.items():
+        result = run_ckpt("doctor", out / case, "--json")
+        causes = result.json["result"]["causes"]
+        if want is None:
+            assert result.exit_code == 0, (case, causes)
+            continue
+        assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+            (want, "step-4", "step-6")
+        ], (case, causes)
+        faster = case == "per_micro_batch_at_resume"
+        assert causes[0]["evidence"] == [
+            "scheduler last_epoch per step: "
+            + (
+                "1 over step-2 → step-4; 2 over step-4 → step-6; 2 over step-6 → step-8: it is "
+                "stepped 2 time(s) per step since the resume, 1 before"
+                if faster
+                else "2 over step-2 → step-4; 1 over step-4 → step-6; 1 over step-6 → step-8: "
+                "it is stepped 1 time(s) per step since the resume, 2 before"
+            )
+        ], causes
+        assert "step_scheduler_with_optimizer" in causes[0]["fix"]
+    # a scheduler accelerate does not save: no log either, the optimizer's saved learning
+    # rate shows the schedule started over (doctor said NO CAUSE FOUND)
+    result = run_ckpt("doctor", out / "scheduler_unregistered", "--json")
+    top = result.json["result"]["causes"][0]
+    assert (top["id"], top["before"], top["after"]) == (
+        "scheduler_not_restored",
+        "step-4",
+        "step-6",
+    ), result.json["result"]["causes"]
+    assert top["evidence"][0] == (
+        "optimizer learning rate 0.008 at step-6, 2 steps after the resume from step-4 "
+        "(0.006): the value step-2 held 2 steps from the run's start (warm-up again)"
+    ), top["evidence"]
+    assert "register_for_checkpointing" in top["fix"]
 
 
 @pytest.mark.frameworks

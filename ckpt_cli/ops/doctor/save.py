@@ -77,7 +77,17 @@ TRAINING_ARGS = (
     "bf16",
     "fp16",
     "seed",
+    "data_seed",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "warmup_ratio",
+    "num_train_epochs",
+    "max_grad_norm",
+    "save_only_model",
+    "ignore_data_skip",
 )
+#: the gradient-clipping norm's names in a loop's saved settings (`config.max_grad_norm`)
+_CLIP_NAMES = ("max_grad_norm", "grad_clip", "clip_grad_norm", "gradient_clipping")
 
 
 @dataclass
@@ -238,6 +248,16 @@ class Save:
                     return float(value)
         value = self.training_args.get("learning_rate")
         return float(value) if isinstance(value, int | float) else None
+
+    @cached_property
+    def current_lr(self) -> float | None:
+        """The learning rate the optimizer's first param group held at the save (what its
+        scheduler last set)."""
+        opt = self.prefix("optimizer")
+        value = self.value(f"{opt}param_groups.0.lr") if opt else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        return None
 
     @cached_property
     def param_groups(self) -> list[int]:
@@ -439,6 +459,23 @@ class Save:
             if isinstance(args.get(arg), int):
                 out.setdefault(key, (float(args[arg]), f"training_args.bin {arg}"))
         return out
+
+    @cached_property
+    def grad_clip(self) -> tuple[float, str] | None:
+        """The gradient-clipping norm the run was configured with, and where it was read: the
+        Trainer's `max_grad_norm` (training_args.bin), DeepSpeed's `gradient_clipping`, or a
+        loop's own record (`config.max_grad_norm`, `grad_clip` at the top level...)."""
+        found = self.training_args.get("max_grad_norm")
+        if isinstance(found, int | float) and not isinstance(found, bool):
+            return float(found), "training_args.bin max_grad_norm"
+        candidates = ["model_states.ds_config.gradient_clipping"]
+        for home in ("train_state", "config", "args", ""):
+            candidates += [f"{home}.{n}" if home else n for n in _CLIP_NAMES]
+        for name in candidates:
+            value = self.value(name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return float(value), name
+        return None
 
     @cached_property
     def work_counters(self) -> dict[str, float]:
