@@ -619,6 +619,7 @@ TRAINER_RUNS: dict[str, str | None] = {
     "warmup": "schedule_changed",  # resumed with warmup_steps 4 (was 2)
     "extended": "schedule_changed",  # resumed with max_steps 16 (was 8): a longer decay
     "grad_clip": "grad_clip_changed",  # resumed with max_grad_norm 0.1 (was 1.0)
+    "ignore_data_skip": "data_position_not_restored",  # resumed with ignore_data_skip=True
     # saved with save_only_model=True (weights only), resumed from checkpoint-4 so
     "save_only_model": "optimizer_not_restored",
 }
@@ -631,6 +632,7 @@ _RESUMED_WITH: dict[str, dict[str, Any]] = {
     "warmup": {"warmup_steps": 4},
     "extended": {"max_steps": 16},
     "grad_clip": {"max_grad_norm": 0.1},
+    "ignore_data_skip": {"ignore_data_skip": True},
 }
 
 
@@ -663,6 +665,7 @@ def build_trainer_runs(out: Path) -> None:
             seed=seed,
             data_seed=opts.get("data_seed"),
             save_only_model=opts.get("save_only_model", False),
+            ignore_data_skip=opts.get("ignore_data_skip", False),
             disable_tqdm=True,
             dataloader_num_workers=0,
         )

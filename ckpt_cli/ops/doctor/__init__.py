@@ -7,7 +7,7 @@ the state the resumed run saved after. Each family of causes is one module and o
 | module | causes |
 |---|---|
 | `optimizer` | optimizer state not restored (step counts restart, exp_avg_sq collapses, or ids saved as strings; another save's state restored); restored for other parameters (param groups, shapes); the save before's state saved again (two saves mixed) |
-| `schedule` | LR scheduler not restored (`last_epoch` or DeepSpeed's `last_batch_iteration` restarts; the logged LR back in warm-up, alone where no scheduler state is saved) |
+| `schedule` | LR scheduler not restored (`last_epoch` or DeepSpeed's `last_batch_iteration` restarts; the logged LR back in warm-up, or the optimizer's saved LR, where no scheduler state is saved); stepped at another pace from the resume on |
 | `data` | data position not restored (samples / batches / tokens seen, the loader's yielded count, the epoch fraction); an earlier save's loader state saved again (two saves mixed) |
 | `scaler` | gradient scaler reset (the fp16 loss scale back at its initial value) |
 | `weights` | weights partly restored (tensors uncorrelated with the save: fresh), precision changed (dtypes, the Trainer's mixed precision), EMA not restored; the save before's weights saved again (two saves mixed) |
@@ -328,6 +328,10 @@ def _examine(
         for family in _PAIR_CHECKS:
             found += family(pair)
         found += setup.check_batch(pair, point.notes)
+        if point.resumed:
+            blind = data.unrecorded(pair)
+            if blind is not None:
+                report.warnings.append(blind)
         if found and "state" not in point.how:
             point.how.append("state")
             point.resumed = True

@@ -1,6 +1,7 @@
 """Data-position cause: the loader's position was not restored (samples or batches seen,
 `num_input_tokens_seen`, the loader state's yielded count, the Trainer's epoch fraction count
-again from the resume), so the resumed run sees batches it already trained on."""
+again from the resume), so the resumed run sees batches it already trained on; and a resume
+whose saves record no data position at all (`unrecorded`: a warning, not a cause)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,12 @@ def check(pair: Pair) -> list[Cause]:
     evidence += _new_loaders(pair)
     if not evidence:
         return _stale_loader(pair)
+    skipped = b.training_args.get("ignore_data_skip") is True
+    if skipped:
+        evidence.append(
+            f"ignore_data_skip=True in {b.name}'s training_args.bin: the resumed Trainer "
+            "started its epoch over instead of skipping the batches it had trained on"
+        )
     return [
         Cause(
             id="data_position_not_restored",
@@ -57,7 +64,10 @@ def check(pair: Pair) -> list[Cause]:
             before=a.name,
             after=b.name,
             evidence=evidence,
-            fix="Restore the loader's position on resume: the Trainer skips the batches it "
+            fix="Resume with ignore_data_skip=False (the default): the Trainer then skips the "
+            "batches of the epoch it trained on."
+            if skipped
+            else "Restore the loader's position on resume: the Trainer skips the batches it "
             "trained on unless ignore_data_skip is set; a StatefulDataLoader's state_dict must "
             "be loaded into the loader the run iterates (prepared before load_state); a plain "
             "loop must restore its sampler / samples-seen counter, and the epoch it hands "
@@ -85,6 +95,24 @@ def _epochs_back(pair: Pair) -> list[str]:
                 "already trained did (set_epoch)"
             )
     return out
+
+
+def unrecorded(pair: Pair) -> str | None:
+    """A warning for a resume between two accelerate saves that record no data position (no
+    counter, no loader state: a loader that is not stateful, whose position accelerate does
+    not save): whether the resumed run skipped the batches it had trained on cannot be told
+    from the files, so "no cause" says nothing of it. None where a position is recorded."""
+    a, b = pair.before, pair.after
+    if a.layout != "accelerate" or b.layout != "accelerate":
+        return None
+    if any(s.data_counters or s.epoch_counters or _loader_state(s) for s in (a, b)):
+        return None
+    return (
+        f"{a.name} → {b.name}: neither save records the data loader's position (accelerate "
+        "saves it only for a stateful loader: DataLoaderConfiguration(use_stateful_dataloader="
+        "True)): whether the resumed run skipped the batches it had trained on "
+        "(accelerator.skip_first_batches) cannot be told from the files"
+    )
 
 
 def _new_loaders(pair: Pair) -> list[str]:

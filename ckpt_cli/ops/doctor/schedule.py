@@ -1,7 +1,10 @@
-"""LR scheduler cause: its state was not restored (`last_epoch` counts again from the resume;
+"""LR scheduler causes: its state was not restored (`last_epoch` counts again from the resume;
 the logged learning rate jumps back into warm-up). A run whose saves hold no scheduler state
-at all is judged by its log alone: at a restart, the learning rate of the step after it is the
-one the run logged at the first steps' distance from its start (`logs.jump`'s `lr_like_step`)."""
+at all is judged at a restart by its log: the learning rate of the step after it is the one the
+run logged at the first steps' distance from its start (`logs.jump`'s `lr_like_step`); without
+a log, by the learning rate its optimizer saved, compared so with an earlier save's. And the
+schedule changed: a scheduler stepped at another pace from the resume on (`schedule_changed`;
+the Trainer's schedule settings are `setup`'s)."""
 
 from __future__ import annotations
 
