@@ -38,6 +38,7 @@ _FRAMEWORK = {
 #: `checkpoint/`)
 _RUN_FOLDER = {"torchtitan": "checkpoint"}
 DIST_JOB = Path(__file__).with_name("doctor_dist_job.py")
+TRAINER_DIST_JOB = Path(__file__).with_name("doctor_trainer_dist_job.py")
 
 
 def _build(kind: str, out: Path) -> Path:
@@ -805,6 +806,51 @@ def test_trainer_resumed_with_other_settings_names_the_setting(trainer_runs: Pat
     declared = run_ckpt("doctor", trainer_runs / "extended", "--expect", "schedule", "--json")
     assert declared.exit_code == 0, declared.stdout
     assert [c["id"] for c in declared.json["result"]["causes"]] == ["schedule_changed"]
+
+
+@pytest.mark.frameworks
+@pytest.mark.torchrun
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_trainer_resumed_on_another_number_of_processes(tmp_path: Path) -> None:
+    """A Trainer run on 2 processes (rng_state_0.pth, rng_state_1.pth), resumed on 1, where it
+    reads rng_state.pth: its RNG is not restored. With the per-device batch doubled (the same
+    global batch) doctor called it a batch change and missed the RNG (the Trainer records no
+    world size); with the per-device batch kept it blamed a re-seeding and told to keep the
+    files, and the data position it found had a plain loop's fix."""
+    pytest.importorskip("transformers", reason="the job needs transformers (the frameworks extra)")
+    base = tmp_path / "base"
+    run_torchrun(TRAINER_DIST_JOB, 2, base, "2", timeout=600)
+    assert (base / "checkpoint-4" / "rng_state_1.pth").is_file()
+    for case, per_device in (("same_global_batch", "4"), ("half_global_batch", "2")):
+        copy_saves(base, tmp_path / case, ["checkpoint-2", "checkpoint-4"])
+        run_torchrun(TRAINER_DIST_JOB, 1, tmp_path / case, per_device, "checkpoint-4", timeout=600)
+    rng_line = (
+        "checkpoint-4 was saved by 2 process(es) (rng_state_0..1.pth files), checkpoint-6 by 1 "
+        "(rng_state.pth): on 1 the Trainer loads rng_state.pth, which checkpoint-4 does not "
+        "hold, so it resumed with freshly seeded random numbers"
+    )
+    same = run_ckpt("doctor", tmp_path / "same_global_batch", "--json").json["result"]
+    assert [(c["id"], c["evidence"]) for c in same["causes"]] == [
+        ("rng_not_restored", [rng_line])
+    ], same["causes"]
+    notes = [n for p in same["resume_points"] for n in p["notes"]]
+    assert notes == [
+        "per device batch 2 at checkpoint-4, 4 at checkpoint-6 (training_args.bin "
+        "per_device_train_batch_size); world size 2 at checkpoint-4, 1 at checkpoint-6 "
+        "(rng_state.pth / rng_state_0..1.pth files): the global batch is unchanged "
+        "(checkpoint-4 → checkpoint-6)"
+    ]
+    half = run_ckpt("doctor", tmp_path / "half_global_batch", "--json").json["result"]
+    causes = {c["id"]: c for c in half["causes"]}
+    assert set(causes) == {"data_position_not_restored", "batch_changed", "rng_not_restored"}
+    assert causes["rng_not_restored"]["evidence"] == [rng_line]
+    assert causes["batch_changed"]["evidence"][0] == (
+        "world size 2 at checkpoint-4, 1 at checkpoint-6 (rng_state.pth / rng_state_0..1.pth files)"
+    )
+    assert causes["data_position_not_restored"]["fix"].startswith(
+        "Resume with the global batch the run had"
+    )
 
 
 @pytest.mark.frameworks

@@ -12,7 +12,7 @@ the state the resumed run saved after. Each family of causes is one module and o
 | `scaler` | gradient scaler reset (the fp16 loss scale back at its initial value) |
 | `weights` | weights partly restored (tensors uncorrelated with the save: fresh), precision changed (dtypes, the Trainer's mixed precision), EMA not restored; the save before's weights saved again (two saves mixed) |
 | `setup` | global batch changed without the LR rescaled (world size, per-device batch, accumulation); seed (or data seed), LR schedule settings, gradient clipping, config or tokenizer changed |
-| `rng` | RNG not restored (the state after the resume is one the run held earlier; torch's CPU generator carries another seed, or fewer draws since its seed: `mt19937`) |
+| `rng` | RNG not restored (the state after the resume is one the run held earlier; torch's CPU generator carries another seed, or fewer draws since its seed: `mt19937`; a Trainer resumed on another number of processes, which finds no RNG file of its own) |
 | `consistency` | one save: step counters that disagree; RNG for fewer ranks than the run had (its record, or its neighbours in the same process) |
 
 `points` finds the resume points (log, step numbering, file times, or --before / --after) and

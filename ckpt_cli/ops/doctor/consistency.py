@@ -184,6 +184,8 @@ def _max_skipped(save: Save, step: int) -> float:
 def _rng_ranks(save: Save) -> tuple[list[str], str]:
     """Evidence that the save holds RNG states for fewer ranks than its run had, and the fix."""
     world = save.settings.get("world_size")
+    if save.trainer_processes is not None and world == save.trainer_processes[0]:
+        world = None  # read from the RNG files themselves: the gap below is the evidence
     have = save.rng_ranks
     if world is not None and 0 < have < world:
         return [f"world size {fmt(world)} recorded, RNG states for {have} rank(s)"], _RANKS_FIX

@@ -56,6 +56,13 @@ def check(pair: Pair) -> list[Cause]:
             f"ignore_data_skip=True in {b.name}'s training_args.bin: the resumed Trainer "
             "started its epoch over instead of skipping the batches it had trained on"
         )
+    resized = None if skipped else _trainer_batch_ratio(pair)
+    if resized is not None:
+        evidence.append(
+            f"the global batch changed ×{resized:.3g} at the resume (world size × per-device "
+            "batch × accumulation): the Trainer skips as many steps as it had taken, each of "
+            f"the new size, so it skipped ×{resized:.3g} the data the run had trained on"
+        )
     return [
         Cause(
             id="data_position_not_restored",
@@ -67,6 +74,10 @@ def check(pair: Pair) -> list[Cause]:
             fix="Resume with ignore_data_skip=False (the default): the Trainer then skips the "
             "batches of the epoch it trained on."
             if skipped
+            else "Resume with the global batch the run had (world size × "
+            "per_device_train_batch_size × gradient_accumulation_steps): the Trainer skips "
+            "the steps it had taken in batches of the new size."
+            if resized is not None
             else "Restore the loader's position on resume: the Trainer skips the batches it "
             "trained on unless ignore_data_skip is set; a StatefulDataLoader's state_dict must "
             "be loaded into the loader the run iterates (prepared before load_state); a plain "
@@ -95,6 +106,21 @@ def _epochs_back(pair: Pair) -> list[str]:
                 "already trained did (set_epoch)"
             )
     return out
+
+
+def _trainer_batch_ratio(pair: Pair) -> float | None:
+    """How much a Trainer's global batch changed at the resume, from the settings both saves
+    record (None: unchanged, or not a Trainer's)."""
+    a, b = pair.before, pair.after
+    if a.layout != "hf-trainer" or b.layout != "hf-trainer":
+        return None
+    known = [k for k in a.settings if k in b.settings]
+    before = after = 1.0
+    for key in known:
+        before, after = before * a.settings[key], after * b.settings[key]
+    if not known or before <= 0 or abs(after / before - 1.0) < 0.05:
+        return None
+    return after / before
 
 
 def unrecorded(pair: Pair) -> str | None:

@@ -458,7 +458,30 @@ class Save:
         ):
             if isinstance(args.get(arg), int):
                 out.setdefault(key, (float(args[arg]), f"training_args.bin {arg}"))
+        processes = self.trainer_processes
+        if processes is not None:
+            out.setdefault("world_size", (float(processes[0]), processes[1]))
         return out
+
+    @cached_property
+    def trainer_processes(self) -> tuple[int, str] | None:
+        """How many processes wrote a Trainer save, from its RNG files (the Trainer records no
+        world size): `rng_state.pth` from one, `rng_state_N.pth` from each of several (the
+        highest N + 1: a lost file is `consistency`'s); and the files it was read from."""
+        if self.layout != "hf-trainer" or self.source.target is not None:
+            return None
+        ranks = []
+        for rel in self.source.files:
+            match = re.fullmatch(r"rng_state(?:_(\d+))?\.\w+", rel)
+            if match is not None:
+                ranks.append(int(match.group(1)) if match.group(1) is not None else -1)
+        if not ranks:
+            return None
+        if -1 in ranks:
+            return 1, "rng_state.pth"
+        if len(ranks) == 1:
+            return max(ranks) + 1, f"rng_state_{ranks[0]}.pth"
+        return max(ranks) + 1, f"rng_state_0..{max(ranks)}.pth files"
 
     @cached_property
     def grad_clip(self) -> tuple[float, str] | None:
