@@ -185,8 +185,10 @@ def _other_world_size(pair: Pair) -> list[Cause]:
                 + ("" if b[0] == 1 else " for every rank")
                 + ", so it resumed with freshly seeded random numbers"
             ],
-            fix="Resume on the number of processes the run was saved with; or, knowing the "
-            "random draws after the resume differ, declare it with --expect rng.",
+            fix="Resume on the number of processes the run was saved with, or reshard the "
+            f"save for the new one first (`ckpt reshard {before} OUT --world-size {b[0]} "
+            "--rank-state replicate` writes the RNG file each process reads); or declare it "
+            "with --expect rng.",
         )
     ]
 

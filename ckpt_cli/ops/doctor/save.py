@@ -466,8 +466,9 @@ class Save:
     @cached_property
     def trainer_processes(self) -> tuple[int, str] | None:
         """How many processes wrote a Trainer save, from its RNG files (the Trainer records no
-        world size): `rng_state.pth` from one, `rng_state_N.pth` from each of several (the
-        highest N + 1: a lost file is `consistency`'s); and the files it was read from."""
+        world size): `rng_state.pth` from one, `rng_state_N.pth` from each of several; and the
+        files it was read from. None where they do not say: no RNG file, or per-rank files
+        with one lost (a gap, or `rng_state_0.pth` alone: `consistency` names the lost one)."""
         if self.layout != "hf-trainer" or self.source.target is not None:
             return None
         ranks = []
@@ -479,9 +480,9 @@ class Save:
             return None
         if -1 in ranks:
             return 1, "rng_state.pth"
-        if len(ranks) == 1:
-            return max(ranks) + 1, f"rng_state_{ranks[0]}.pth"
-        return max(ranks) + 1, f"rng_state_0..{max(ranks)}.pth files"
+        if len(ranks) < 2 or sorted(ranks) != list(range(len(ranks))):
+            return None
+        return len(ranks), f"rng_state_0..{len(ranks) - 1}.pth files"
 
     @cached_property
     def grad_clip(self) -> tuple[float, str] | None:
