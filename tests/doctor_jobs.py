@@ -614,9 +614,26 @@ TRAINER_RUNS: dict[str, str | None] = {
     "seed": "seed_changed",  # resumed from checkpoint-4 with seed 7 (was 0)
     # checkpoint-4's optimizer.pt was deleted, and the run resumed from it (a fresh optimizer)
     "optimizer_deleted": "optimizer_not_restored",
+    "data_seed": "seed_changed",  # resumed with data_seed 7 (unset: the seed, 0)
+    "scheduler_type": "schedule_changed",  # resumed with lr_scheduler_type cosine (was linear)
+    "warmup": "schedule_changed",  # resumed with warmup_steps 4 (was 2)
+    "extended": "schedule_changed",  # resumed with max_steps 16 (was 8): a longer decay
+    "grad_clip": "grad_clip_changed",  # resumed with max_grad_norm 0.1 (was 1.0)
+    "ignore_data_skip": "data_position_not_restored",  # resumed with ignore_data_skip=True
+    # saved with save_only_model=True (weights only), resumed from checkpoint-4 so
+    "save_only_model": "optimizer_not_restored",
 }
 #: the options of the resume from checkpoint-4 of the `TRAINER_RUNS` cases that resume
-_RESUMED_WITH: dict[str, dict[str, int]] = {"batch_then_same": {"bs": 4}, "seed": {"seed": 7}}
+_RESUMED_WITH: dict[str, dict[str, Any]] = {
+    "batch_then_same": {"bs": 4},
+    "seed": {"seed": 7},
+    "data_seed": {"data_seed": 7},
+    "scheduler_type": {"lr_scheduler_type": "cosine"},
+    "warmup": {"warmup_steps": 4},
+    "extended": {"max_steps": 16},
+    "grad_clip": {"max_grad_norm": 0.1},
+    "ignore_data_skip": {"ignore_data_skip": True},
+}
 
 
 def build_trainer_runs(out: Path) -> None:
@@ -629,7 +646,7 @@ def build_trainer_runs(out: Path) -> None:
         set_seed,
     )
 
-    def run(folder: Path, resume: Path | None, **opts: int) -> None:
+    def run(folder: Path, resume: Path | None, **opts: Any) -> None:
         seed = opts.get("seed", 0)
         set_seed(seed)
         args = TrainingArguments(
@@ -639,11 +656,16 @@ def build_trainer_runs(out: Path) -> None:
             per_device_train_batch_size=opts.get("bs", 2),
             gradient_accumulation_steps=opts.get("ga", 1),
             learning_rate=1e-2,
-            warmup_steps=2,
+            lr_scheduler_type=opts.get("lr_scheduler_type", "linear"),
+            warmup_steps=opts.get("warmup_steps", 2),
+            max_grad_norm=opts.get("max_grad_norm", 1.0),
             logging_steps=1,
             report_to=[],
             use_cpu=True,
             seed=seed,
+            data_seed=opts.get("data_seed"),
+            save_only_model=opts.get("save_only_model", False),
+            ignore_data_skip=opts.get("ignore_data_skip", False),
             disable_tqdm=True,
             dataloader_num_workers=0,
         )
@@ -679,6 +701,10 @@ def build_trainer_runs(out: Path) -> None:
     stat = (deleted / "checkpoint-4").stat()  # deleted long before the resume
     os.utime(deleted / "checkpoint-4", (stat.st_atime, stat.st_mtime - DOWN_SECONDS))
     run(deleted, deleted / "checkpoint-4")
+    model_only = out / "save_only_model"
+    run(out / "model_only_base", None, save_only_model=True)
+    copy_saves(out / "model_only_base", model_only, ["checkpoint-2", "checkpoint-4"])
+    run(model_only, model_only / "checkpoint-4", save_only_model=True)
 
 
 def build_accelerate_auto(out: Path) -> None:
@@ -716,6 +742,85 @@ def build_accelerate_auto(out: Path) -> None:
     run(resume=True)
 
 
+#: `accelerate_pace` cases: (step_scheduler_with_optimizer of the run, of its resume) under a
+#: gradient accumulation of 2, and what the doctor must rank first (None: no cause)
+ACCELERATE_PACE: dict[str, tuple[tuple[bool, bool], str | None]] = {
+    "clean_per_update": ((True, True), None),
+    "clean_per_micro_batch": ((False, False), None),  # the scheduler counts micro-batches
+    "per_micro_batch_at_resume": ((True, False), "schedule_changed"),
+    "per_update_at_resume": ((False, True), "schedule_changed"),
+}
+
+
+def build_accelerate_pace(out: Path) -> None:
+    """accelerate loops under `accumulate()` (2 micro-batches per optimizer step), the
+    scheduler prepared with `step_scheduler_with_optimizer` as `ACCELERATE_PACE` says: 8
+    optimizer steps saving every 2 (`step-N`), crashed after `step-4` and resumed from it (the
+    data position restored with `skip_first_batches`). And `scheduler_unregistered`: the same
+    loop with its scheduler neither prepared nor registered for checkpointing: no save holds
+    it, and the resume builds it fresh."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import set_seed
+
+    def run(folder: Path, resume: Path | None, with_optimizer: bool, register: bool = True) -> None:
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        set_seed(0)
+        accelerator = Accelerator(
+            cpu=True, gradient_accumulation_steps=2, step_scheduler_with_optimizer=with_optimizer
+        )
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / 3) * (1 - s / 20)
+        )
+        data = torch.Generator().manual_seed(7)
+        rows = torch.utils.data.TensorDataset(
+            torch.randn(64, 8, generator=data), torch.randn(64, 1, generator=data)
+        )
+        loader = torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True)
+        if register:
+            model, optimizer, loader, scheduler = accelerator.prepare(
+                model, optimizer, loader, scheduler
+            )
+        else:
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        step, batches = 0, loader
+        if resume is not None:
+            accelerator.load_state(str(resume))
+            step = int(resume.name.split("-")[1])
+            batches = accelerator.skip_first_batches(loader, step * 2)
+        while step < 8:
+            for x, y in batches:
+                with accelerator.accumulate(model):
+                    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                if accelerator.sync_gradients:
+                    step += 1
+                    if step % 2 == 0:
+                        accelerator.save_state(str(folder / f"step-{step}"))
+                    if step == 8:
+                        break
+            batches = loader
+
+    for case, ((trained, resumed), _) in ACCELERATE_PACE.items():
+        base = out / f"{case}_base"
+        run(base, None, trained)
+        copy_saves(base, out / case, ["step-2", "step-4"])
+        run(out / case, out / case / "step-4", resumed)
+    run(out / "scheduler_unregistered_base", None, True, register=False)
+    copy_saves(
+        out / "scheduler_unregistered_base", out / "scheduler_unregistered", ["step-2", "step-4"]
+    )
+    run(out / "scheduler_unregistered", out / "scheduler_unregistered" / "step-4", True, False)
+
+
 BUILDERS = {
     "trainer": build_trainer,
     "accelerate": build_accelerate,
@@ -723,6 +828,7 @@ BUILDERS = {
     "torchtitan": build_torchtitan,
     "trainer_runs": build_trainer_runs,
     "accelerate_auto": build_accelerate_auto,
+    "accelerate_pace": build_accelerate_pace,
 }
 
 

@@ -19,6 +19,7 @@ import torch
 from .conftest import REPO, run_ckpt
 from .dist_helpers import run_torchrun
 from .doctor_jobs import (
+    ACCELERATE_PACE,
     CASES,
     DECLARED,
     DOWN_SECONDS,
@@ -37,6 +38,7 @@ _FRAMEWORK = {
 #: `checkpoint/`)
 _RUN_FOLDER = {"torchtitan": "checkpoint"}
 DIST_JOB = Path(__file__).with_name("doctor_dist_job.py")
+TRAINER_DIST_JOB = Path(__file__).with_name("doctor_trainer_dist_job.py")
 
 
 def _build(kind: str, out: Path) -> Path:
@@ -755,6 +757,161 @@ def test_trainer_runs_without_a_planted_fault_in_the_trainer(
 
 
 @pytest.mark.frameworks
+@pytest.mark.timeout(1200)
+def test_trainer_resumed_with_other_settings_names_the_setting(trainer_runs: Path) -> None:
+    """Trainer runs resumed from checkpoint-4 with another data_seed, scheduler type, warm-up,
+    max_steps or max_grad_norm, or from a save_only_model=True save: doctor said NO CAUSE FOUND
+    (the settings live in training_args.bin and trainer_state.json, no state tensor), and for
+    the weights-only save "save the scheduler's state", a plain loop's fix. One resumed with
+    ignore_data_skip=True was found, its fix a list of every framework's."""
+
+    def top(case: str) -> dict[str, Any]:
+        result = run_ckpt("doctor", trainer_runs / case, "--json")
+        assert result.exit_code == 1, result.stdout
+        cause: dict[str, Any] = result.json["result"]["causes"][0]
+        return cause
+
+    seed = top("data_seed")
+    assert seed["title"] == "the run was resumed with another data seed: another data order"
+    assert seed["evidence"][0].startswith(
+        "data_seed unset → 7 at the resume (training_args.bin of checkpoint-4 and "
+        "checkpoint-6): the sampler shuffles with 7 (was 0)"
+    ), seed["evidence"]
+    assert "data_seed unset here" in seed["fix"]
+    assert top("scheduler_type")["evidence"] == [
+        "lr_scheduler_type linear at checkpoint-4, cosine at checkpoint-6 (training_args.bin)"
+    ]
+    assert top("warmup")["evidence"] == [
+        "warmup_steps 2 at checkpoint-4, 4 at checkpoint-6 (training_args.bin)"
+    ]
+    extended = top("extended")
+    assert extended["evidence"][0].startswith(
+        "total steps 8 at checkpoint-4, 16 at checkpoint-6 (trainer_state.json max_steps): "
+        "the linear schedule now runs over 16 steps"
+    ), extended["evidence"]
+    assert "--expect schedule" in extended["fix"]
+    clip = top("grad_clip")
+    assert clip["evidence"][0].startswith(
+        "gradient clipping norm 1 at checkpoint-4, 0.1 at checkpoint-6 (training_args.bin "
+        "max_grad_norm)"
+    ), clip["evidence"]
+    skipped = top("ignore_data_skip")  # found before; now the setting is named, and its fix
+    assert skipped["evidence"][-1].startswith(
+        "ignore_data_skip=True in checkpoint-6's training_args.bin"
+    ), skipped["evidence"]
+    assert skipped["fix"].startswith("Resume with ignore_data_skip=False")
+    model_only = top("save_only_model")
+    assert "save_only_model=True" in model_only["evidence"][0], model_only
+    assert "Train with save_only_model=False" in model_only["fix"]
+    declared = run_ckpt("doctor", trainer_runs / "extended", "--expect", "schedule", "--json")
+    assert declared.exit_code == 0, declared.stdout
+    assert [c["id"] for c in declared.json["result"]["causes"]] == ["schedule_changed"]
+
+
+@pytest.mark.frameworks
+@pytest.mark.torchrun
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_trainer_resumed_on_another_number_of_processes(tmp_path: Path) -> None:
+    """A Trainer run on 2 processes (rng_state_0.pth, rng_state_1.pth), resumed on 1, where it
+    reads rng_state.pth: its RNG is not restored. With the per-device batch doubled (the same
+    global batch) doctor called it a batch change and missed the RNG (the Trainer records no
+    world size); with the per-device batch kept it blamed a re-seeding and told to keep the
+    files, and the data position it found had a plain loop's fix."""
+    pytest.importorskip("transformers", reason="the job needs transformers (the frameworks extra)")
+    base = tmp_path / "base"
+    run_torchrun(TRAINER_DIST_JOB, 2, base, "2", timeout=600)
+    assert (base / "checkpoint-4" / "rng_state_1.pth").is_file()
+    for case, per_device in (("same_global_batch", "4"), ("half_global_batch", "2")):
+        copy_saves(base, tmp_path / case, ["checkpoint-2", "checkpoint-4"])
+        run_torchrun(TRAINER_DIST_JOB, 1, tmp_path / case, per_device, "checkpoint-4", timeout=600)
+    rng_line = (
+        "checkpoint-4 was saved by 2 process(es) (rng_state_0..1.pth files), checkpoint-6 by 1 "
+        "(rng_state.pth): on 1 the Trainer loads rng_state.pth, which checkpoint-4 does not "
+        "hold, so it resumed with freshly seeded random numbers"
+    )
+    same = run_ckpt("doctor", tmp_path / "same_global_batch", "--json").json["result"]
+    assert [(c["id"], c["evidence"]) for c in same["causes"]] == [
+        ("rng_not_restored", [rng_line])
+    ], same["causes"]
+    notes = [n for p in same["resume_points"] for n in p["notes"]]
+    assert notes == [
+        "per device batch 2 at checkpoint-4, 4 at checkpoint-6 (training_args.bin "
+        "per_device_train_batch_size); world size 2 at checkpoint-4, 1 at checkpoint-6 "
+        "(rng_state.pth / rng_state_0..1.pth files): the global batch is unchanged "
+        "(checkpoint-4 → checkpoint-6)"
+    ]
+    half = run_ckpt("doctor", tmp_path / "half_global_batch", "--json").json["result"]
+    causes = {c["id"]: c for c in half["causes"]}
+    assert set(causes) == {"data_position_not_restored", "batch_changed", "rng_not_restored"}
+    assert causes["rng_not_restored"]["evidence"] == [rng_line]
+    assert "ckpt reshard checkpoint-4 OUT --world-size 1" in causes["rng_not_restored"]["fix"]
+    assert causes["batch_changed"]["evidence"][0] == (
+        "world size 2 at checkpoint-4, 1 at checkpoint-6 (rng_state.pth / rng_state_0..1.pth files)"
+    )
+    assert causes["data_position_not_restored"]["fix"].startswith(
+        "Resume with the global batch the run had"
+    )
+
+
+@pytest.mark.frameworks
+@pytest.mark.timeout(600)
+def test_accelerate_scheduler_pace_and_an_unsaved_scheduler(
+    tmp_path: Path,
+) -> None:
+    """accelerate under gradient accumulation steps a prepared scheduler once per optimizer
+    step with `step_scheduler_with_optimizer=True`, on every micro-batch with it False. A run
+    trained with it False was called inconsistent at every save (scheduler 2x the step); one
+    resumed with the other setting got a "ran ahead: stepped again to catch up" fix, or
+    nothing."""
+    pytest.importorskip("accelerate", reason="the job needs accelerate (the frameworks extra)")
+    out = _build("accelerate_pace", tmp_path / "job")
+    for case, (_, want) in ACCELERATE_PACE.items():
+        result = run_ckpt("doctor", out / case, "--json")
+        causes = result.json["result"]["causes"]
+        if want is None:
+            assert result.exit_code == 0, (case, causes)
+            # its loader is not stateful: no save says whether the resume skipped the batches
+            # it had trained on, and "no cause" is said with that limit named
+            assert result.json["result"]["warnings"] == [
+                "step-4 → step-6: neither save records the data loader's position (accelerate "
+                "saves it only for a stateful loader: DataLoaderConfiguration("
+                "use_stateful_dataloader=True)): whether the resumed run skipped the batches it "
+                "had trained on (accelerator.skip_first_batches) cannot be told from the files"
+            ], case
+            continue
+        assert [(c["id"], c["before"], c["after"]) for c in causes] == [
+            (want, "step-4", "step-6")
+        ], (case, causes)
+        faster = case == "per_micro_batch_at_resume"
+        assert causes[0]["evidence"] == [
+            "scheduler last_epoch per step: "
+            + (
+                "1 over step-2 → step-4; 2 over step-4 → step-6; 2 over step-6 → step-8: it is "
+                "stepped 2 time(s) per step since the resume, 1 before"
+                if faster
+                else "2 over step-2 → step-4; 1 over step-4 → step-6; 1 over step-6 → step-8: "
+                "it is stepped 1 time(s) per step since the resume, 2 before"
+            )
+        ], causes
+        assert "step_scheduler_with_optimizer" in causes[0]["fix"]
+    # a scheduler accelerate does not save: no log either, the optimizer's saved learning
+    # rate shows the schedule started over (doctor said NO CAUSE FOUND)
+    result = run_ckpt("doctor", out / "scheduler_unregistered", "--json")
+    top = result.json["result"]["causes"][0]
+    assert (top["id"], top["before"], top["after"]) == (
+        "scheduler_not_restored",
+        "step-4",
+        "step-6",
+    ), result.json["result"]["causes"]
+    assert top["evidence"][0] == (
+        "optimizer learning rate 0.008 at step-6, 2 steps after the resume from step-4 "
+        "(0.006): the value step-2 held 2 steps from the run's start (warm-up again)"
+    ), top["evidence"]
+    assert "register_for_checkpointing" in top["fix"]
+
+
+@pytest.mark.frameworks
 @pytest.mark.timeout(600)
 def test_accelerate_automatic_names_are_no_steps(tmp_path: Path) -> None:
     # `checkpoint_N` counts saves: neither shown as a step nor used as one in the evidence
@@ -1356,8 +1513,8 @@ def test_a_lost_rank_rng_file_is_found_against_the_runs_other_saves(tmp_path: Pa
     """A 2-rank Trainer run keeps `rng_state_0.pth` and `rng_state_1.pth` in every save; one
     save lost `rng_state_1.pth`. The Trainer records no world size, so doctor (run or single
     save) said NO CAUSE FOUND / "can resume consistently". Its neighbours in the same process
-    now say which rank's file is missing; a resume on 1 rank (a restart between the saves) is
-    no finding."""
+    now say which rank's file is missing; a resume on 1 rank (a restart between the saves) loses
+    no file (what it changes is another finding)."""
     from .run_fixtures import trainer_checkpoint
 
     def build(run: Path, ranks: dict[int, tuple[int, ...]]) -> None:
@@ -1407,8 +1564,14 @@ def test_a_lost_rank_rng_file_is_found_against_the_runs_other_saves(tmp_path: Pa
             os.utime(path, (stat.st_atime - DOWN_SECONDS, stat.st_mtime - DOWN_SECONDS))
     result = run_ckpt("doctor", fewer, "--json")
     points = result.json["result"]["resume_points"]
-    assert [p["how"] for p in points] == [[], ["time"]]
-    assert result.exit_code == 0 and result.json["result"]["causes"] == [], result.stdout
+    assert [p["how"][0] for p in points if p["how"]] == ["time"]
+    # no rank's file is called lost; what a resume on 1 process does is found (the world size
+    # read from the RNG files): the global batch halved, and no rng_state.pth to restore
+    causes = result.json["result"]["causes"]
+    assert sorted((c["id"], c["before"]) for c in causes) == [
+        ("batch_changed", "checkpoint-200"),
+        ("rng_not_restored", "checkpoint-200"),
+    ], causes
 
 
 def _overflowed(run: Path, out: Path) -> None:

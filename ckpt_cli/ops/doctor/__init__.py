@@ -7,12 +7,12 @@ the state the resumed run saved after. Each family of causes is one module and o
 | module | causes |
 |---|---|
 | `optimizer` | optimizer state not restored (step counts restart, exp_avg_sq collapses, or ids saved as strings; another save's state restored); restored for other parameters (param groups, shapes); the save before's state saved again (two saves mixed) |
-| `schedule` | LR scheduler not restored (`last_epoch` or DeepSpeed's `last_batch_iteration` restarts; the logged LR back in warm-up, alone where no scheduler state is saved) |
+| `schedule` | LR scheduler not restored (`last_epoch` or DeepSpeed's `last_batch_iteration` restarts; the logged LR back in warm-up, or the optimizer's saved LR, where no scheduler state is saved); stepped at another pace from the resume on |
 | `data` | data position not restored (samples / batches / tokens seen, the loader's yielded count, the epoch fraction); an earlier save's loader state saved again (two saves mixed) |
 | `scaler` | gradient scaler reset (the fp16 loss scale back at its initial value) |
 | `weights` | weights partly restored (tensors uncorrelated with the save: fresh), precision changed (dtypes, the Trainer's mixed precision), EMA not restored; the save before's weights saved again (two saves mixed) |
-| `setup` | global batch changed without the LR rescaled (world size, per-device batch, accumulation); seed, config or tokenizer changed |
-| `rng` | RNG not restored (the state after the resume is one the run held earlier; torch's CPU generator carries another seed, or fewer draws since its seed: `mt19937`) |
+| `setup` | global batch changed without the LR rescaled (world size, per-device batch, accumulation); seed (or data seed), LR schedule settings, gradient clipping, config or tokenizer changed |
+| `rng` | RNG not restored (the state after the resume is one the run held earlier; torch's CPU generator carries another seed, or fewer draws since its seed: `mt19937`; a Trainer resumed on another number of processes, which finds no RNG file of its own) |
 | `consistency` | one save: step counters that disagree; RNG for fewer ranks than the run had (its record, or its neighbours in the same process) |
 
 `points` finds the resume points (log, step numbering, file times, or --before / --after) and
@@ -300,6 +300,8 @@ _PAIR_CHECKS = (
     setup.check_config,
     setup.check_tokenizer,
     setup.check_seed,
+    setup.check_schedule,
+    setup.check_grad_clip,
 )
 
 
@@ -313,7 +315,8 @@ def _examine(
     report.checkpoints = [s.name for s in saves]
     report.expected = sorted(declared)
     pairs = [
-        Pair(before=saves[i], after=saves[i + 1], earlier=saves[:i]) for i in range(len(saves) - 1)
+        Pair(before=saves[i], after=saves[i + 1], earlier=saves[:i], later=saves[i + 2 :])
+        for i in range(len(saves) - 1)
     ]
     for pair in pairs:
         pair.log = _log_jump(pair, logs)
@@ -325,6 +328,10 @@ def _examine(
         for family in _PAIR_CHECKS:
             found += family(pair)
         found += setup.check_batch(pair, point.notes)
+        if point.resumed:
+            blind = data.unrecorded(pair)
+            if blind is not None:
+                report.warnings.append(blind)
         if found and "state" not in point.how:
             point.how.append("state")
             point.resumed = True
@@ -332,7 +339,7 @@ def _examine(
     explained = {
         c.after
         for c in causes
-        if c.id in ("optimizer_not_restored", "scheduler_not_restored")
+        if c.id in ("optimizer_not_restored", "scheduler_not_restored", "schedule_changed")
         or (c.id == "inconsistent_state" and c.before is not None)  # found by its pair
     }
     for pair, point in zip(pairs, report.resume_points, strict=True):
@@ -343,8 +350,9 @@ def _examine(
     # the run's first process: the saves before its first resume point
     first = next((i + 1 for i, p in enumerate(report.resume_points) if p.resumed), len(saves))
     per_update = consistency.micro_steps_per_update(saves, first)
+    scheduler_pace = consistency.scheduler_steps_per_step(saves, first)
     for save in saves:
-        for cause in consistency.check(save, per_update):
+        for cause in consistency.check(save, per_update, scheduler_pace):
             if cause.id == "rng_ranks_missing" and any(c.after == save.name for c in lost):
                 continue  # one finding per save
             if cause.id == "inconsistent_state" and save.name in explained:

@@ -45,6 +45,26 @@ def micro_steps_per_update(saves: list[Save], first_segment: int | None = None) 
     return max(1, math.ceil(max(ratios) - 1e-9))
 
 
+def scheduler_steps_per_step(saves: list[Save], first_segment: int | None = None) -> int:
+    """How many times the run's scheduler steps per counted step, where the saves of its first
+    process (before any resume point) all say the same whole number k > 1: a scheduler stepped
+    on every micro-batch of a gradient accumulation (accelerate's
+    `step_scheduler_with_optimizer=False`), or once per process (accelerate's default on N
+    processes). That pace is the run's own, no disagreement; 1 otherwise, and for the Trainer,
+    whose scheduler steps with its optimizer."""
+    paces: set[int] = set()
+    for save in saves[:first_segment]:
+        step, sched = save.counted_step, save.scheduler_epoch
+        if save.layout == "hf-trainer" or step is None or sched is None or step <= 0:
+            return 1
+        if sched % step:
+            return 1
+        paces.add(sched // step)
+    if len(saves[:first_segment]) < 2 or len(paces) != 1:
+        return 1
+    return max(1, paces.pop())
+
+
 def _per_update(save: Save, per_update: int) -> int:
     """The micro-batches one optimizer step takes at most in `save`: the run's (`per_update`),
     or the gradient accumulation the save records, where its layout's step may count
@@ -55,11 +75,12 @@ def _per_update(save: Save, per_update: int) -> int:
     return max(per_update, int(recorded))
 
 
-def check(save: Save, per_update: int = 1) -> list[Cause]:
+def check(save: Save, per_update: int = 1, scheduler_pace: int = 1) -> list[Cause]:
     """The consistency causes of one save; `per_update`: the counted steps per optimizer step
-    (`micro_steps_per_update` of its run)."""
+    (`micro_steps_per_update` of its run); `scheduler_pace`: the scheduler's steps per
+    counted step (`scheduler_steps_per_step` of its run)."""
     causes: list[Cause] = []
-    counters = _disagreeing(save, per_update)
+    counters = _disagreeing(save, per_update, scheduler_pace)
     if counters:
         causes.append(
             Cause(
@@ -96,7 +117,7 @@ def check(save: Save, per_update: int = 1) -> list[Cause]:
     return causes
 
 
-def _disagreeing(save: Save, per_update: int = 1) -> list[str]:
+def _disagreeing(save: Save, per_update: int = 1, scheduler_pace: int = 1) -> list[str]:
     step, opt, sched = save.counted_step, save.optimizer_step, save.scheduler_epoch
     evidence: list[str] = []
     per_update = _per_update(save, per_update)
@@ -129,7 +150,7 @@ def _disagreeing(save: Save, per_update: int = 1) -> list[str]:
     if sched is not None and step is not None and step > 0:
         # a per-epoch scheduler counts epochs, fewer than steps; never more than the steps
         per_step = save.layout == "hf-trainer"
-        if sched > step or (per_step and sched != step):
+        if sched > step * scheduler_pace or (per_step and sched != step):
             evidence.append(
                 f"scheduler {save.scheduler_counter} {fmt(sched)}, trainer step {fmt(step)}"
             )
@@ -163,6 +184,8 @@ def _max_skipped(save: Save, step: int) -> float:
 def _rng_ranks(save: Save) -> tuple[list[str], str]:
     """Evidence that the save holds RNG states for fewer ranks than its run had, and the fix."""
     world = save.settings.get("world_size")
+    if save.trainer_processes is not None and world == save.trainer_processes[0]:
+        world = None  # read from the RNG files themselves: the gap below is the evidence
     have = save.rng_ranks
     if world is not None and 0 < have < world:
         return [f"world size {fmt(world)} recorded, RNG states for {have} rank(s)"], _RANKS_FIX

@@ -1,6 +1,7 @@
 """Data-position cause: the loader's position was not restored (samples or batches seen,
 `num_input_tokens_seen`, the loader state's yielded count, the Trainer's epoch fraction count
-again from the resume), so the resumed run sees batches it already trained on."""
+again from the resume), so the resumed run sees batches it already trained on; and a resume
+whose saves record no data position at all (`unrecorded`: a warning, not a cause)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,19 @@ def check(pair: Pair) -> list[Cause]:
     evidence += _new_loaders(pair)
     if not evidence:
         return _stale_loader(pair)
+    skipped = b.training_args.get("ignore_data_skip") is True
+    if skipped:
+        evidence.append(
+            f"ignore_data_skip=True in {b.name}'s training_args.bin: the resumed Trainer "
+            "started its epoch over instead of skipping the batches it had trained on"
+        )
+    resized = None if skipped else _trainer_batch_ratio(pair)
+    if resized is not None:
+        evidence.append(
+            f"the global batch changed ×{resized:.3g} at the resume (world size × per-device "
+            "batch × accumulation): the Trainer skips as many steps as it had taken, each of "
+            f"the new size, so it skipped ×{resized:.3g} the data the run had trained on"
+        )
     return [
         Cause(
             id="data_position_not_restored",
@@ -57,7 +71,14 @@ def check(pair: Pair) -> list[Cause]:
             before=a.name,
             after=b.name,
             evidence=evidence,
-            fix="Restore the loader's position on resume: the Trainer skips the batches it "
+            fix="Resume with ignore_data_skip=False (the default): the Trainer then skips the "
+            "batches of the epoch it trained on."
+            if skipped
+            else "Resume with the global batch the run had (world size × "
+            "per_device_train_batch_size × gradient_accumulation_steps): the Trainer skips "
+            "the steps it had taken in batches of the new size."
+            if resized is not None
+            else "Restore the loader's position on resume: the Trainer skips the batches it "
             "trained on unless ignore_data_skip is set; a StatefulDataLoader's state_dict must "
             "be loaded into the loader the run iterates (prepared before load_state); a plain "
             "loop must restore its sampler / samples-seen counter, and the epoch it hands "
@@ -85,6 +106,39 @@ def _epochs_back(pair: Pair) -> list[str]:
                 "already trained did (set_epoch)"
             )
     return out
+
+
+def _trainer_batch_ratio(pair: Pair) -> float | None:
+    """How much a Trainer's global batch changed at the resume, from the settings both saves
+    record (None: unchanged, or not a Trainer's)."""
+    a, b = pair.before, pair.after
+    if a.layout != "hf-trainer" or b.layout != "hf-trainer":
+        return None
+    known = [k for k in a.settings if k in b.settings]
+    before = after = 1.0
+    for key in known:
+        before, after = before * a.settings[key], after * b.settings[key]
+    if not known or before <= 0 or abs(after / before - 1.0) < 0.05:
+        return None
+    return after / before
+
+
+def unrecorded(pair: Pair) -> str | None:
+    """A warning for a resume between two accelerate saves that record no data position (no
+    counter, no loader state: a loader that is not stateful, whose position accelerate does
+    not save): whether the resumed run skipped the batches it had trained on cannot be told
+    from the files, so "no cause" says nothing of it. None where a position is recorded."""
+    a, b = pair.before, pair.after
+    if a.layout != "accelerate" or b.layout != "accelerate":
+        return None
+    if any(s.data_counters or s.epoch_counters or _loader_state(s) for s in (a, b)):
+        return None
+    return (
+        f"{a.name} → {b.name}: neither save records the data loader's position (accelerate "
+        "saves it only for a stateful loader: DataLoaderConfiguration(use_stateful_dataloader="
+        "True)): whether the resumed run skipped the batches it had trained on "
+        "(accelerator.skip_first_batches) cannot be told from the files"
+    )
 
 
 def _new_loaders(pair: Pair) -> list[str]:

@@ -14,6 +14,7 @@ CAUSE_IDS = (
     "optimizer_mismatch",
     "optimizer_settings_changed",
     "scheduler_not_restored",
+    "schedule_changed",
     "data_position_not_restored",
     "grad_scaler_reset",
     "model_in_eval_mode",
@@ -25,6 +26,7 @@ CAUSE_IDS = (
     "config_changed",
     "tokenizer_changed",
     "seed_changed",
+    "grad_clip_changed",
     "inconsistent_state",
     "rng_ranks_missing",
 )
@@ -43,6 +45,8 @@ EXPECTABLE = {
     "rng": "rng_not_restored",
     "ema": "ema_not_restored",
     "scaler": "grad_scaler_reset",
+    "schedule": "schedule_changed",
+    "grad-clip": "grad_clip_changed",
 }
 
 

@@ -105,7 +105,24 @@ def check(pair: Pair) -> list[Cause]:
                 "torchtitan: keep `optimizer` out of checkpoint.exclude_from_loading).",
             )
         )
-    if restart is None and not unloadable and _fresh_after_weights_only(pair):
+    model_only = _from_model_only_save(pair)
+    if restart is None and not unloadable and (model_only or _fresh_after_weights_only(pair)):
+        evidence = [
+            f"{a.name} holds no optimizer state (weights only"
+            + (", slimmed by `ckpt prune`" if SLIM_RECORD in a.source.files else "")
+            + (
+                ": saved with save_only_model=True, training_args.bin; no optimizer.pt, "
+                "scheduler.pt or rng_state.pth"
+                if model_only
+                else ""
+            )
+            + ")"
+        ]
+        if b.optimizer_step is not None:
+            evidence.append(
+                f"optimizer step count {fmt(b.optimizer_step)} at {b.name}, "
+                f"{fmt(pair.elapsed)} steps after {a.name}: a fresh optimizer's count"
+            )
         causes.append(
             Cause(
                 id="optimizer_not_restored",
@@ -114,16 +131,15 @@ def check(pair: Pair) -> list[Cause]:
                 score=0.95,
                 before=a.name,
                 after=b.name,
-                evidence=[
-                    f"{a.name} holds no optimizer state (weights only"
-                    + (", slimmed by `ckpt prune`" if SLIM_RECORD in a.source.files else "")
-                    + ")",
-                    f"optimizer step count {fmt(b.optimizer_step)} at {b.name}, "
-                    f"{fmt(pair.elapsed)} steps after {a.name}: a fresh optimizer's count",
-                ],
-                fix="Resume from a save that kept its optimizer state (`ckpt latest RUN` names "
-                "the newest whole one; `prune --slim-older-than` never slims the newest), or "
-                "accept that Adam's moments start over.",
+                evidence=evidence,
+                fix="The Trainer's save_only_model=True saves cannot resume a run: they keep "
+                "the weights alone, so the optimizer, the LR schedule and the RNG start "
+                "afresh. Train with save_only_model=False to resume (save_total_limit bounds "
+                "the disk), or accept that Adam's moments and the schedule start over."
+                if model_only
+                else "Resume from a save that kept its optimizer state (`ckpt latest RUN` "
+                "names the newest whole one; `prune --slim-older-than` never slims the "
+                "newest), or accept that Adam's moments start over.",
             )
         )
     if restart is None and not unloadable and not causes:
@@ -543,6 +559,20 @@ def _fresh_after_weights_only(pair: Pair) -> bool:
         return False
     elapsed = pair.elapsed
     return a.step is not None and a.step > 0 and elapsed is not None and b.optimizer_step <= elapsed
+
+
+def _from_model_only_save(pair: Pair) -> bool:
+    """Whether a run resumed (a restart found) from a Trainer save written with
+    `save_only_model=True` (training_args.bin says so) that holds no optimizer state: there was
+    none to restore, whatever the save after holds (none either, where the resumed run saves
+    so too)."""
+    a, b = pair.before, pair.after
+    if not pair.stopped or a.prefix("optimizer") is not None:
+        return False
+    if a.training_args.get("save_only_model") is not True:
+        return False
+    elapsed = pair.elapsed
+    return b.optimizer_step is None or (elapsed is not None and b.optimizer_step <= elapsed)
 
 
 def _restored_from_another_save(pair: Pair) -> list[Cause]:

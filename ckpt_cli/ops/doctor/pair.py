@@ -15,6 +15,7 @@ class Pair:
     Attributes:
         before / after: the two saves.
         earlier: the saves older than `before` (the RNG family looks for a state seen before).
+        later: the saves newer than `after` (a pace taken up at the resume and kept after it).
         log: the logged loss and LR around the resume step, when a log covers it.
         stopped: a restart between them was found without the saved state (declared, or in
             the log, the step numbering or the file times: `points`).
@@ -23,6 +24,7 @@ class Pair:
     before: Save
     after: Save
     earlier: list[Save] = field(default_factory=list)
+    later: list[Save] = field(default_factory=list)
     log: LogJump | None = None
     stopped: bool = False
 

@@ -162,10 +162,44 @@ def _nothing_to_restore(pair: Pair, after: dict[str, Any]) -> list[Cause]:
     ]
 
 
+def _other_world_size(pair: Pair) -> list[Cause]:
+    """A Trainer resumed on another number of processes: it reads `rng_state.pth` on one
+    process and `rng_state_{rank}.pth` on several, so a save written by another number finds
+    no file for it (the Trainer only logs "Didn't find an RNG file") and nothing is restored."""
+    a, b = pair.before.trainer_processes, pair.after.trainer_processes
+    if not pair.stopped or a is None or b is None or a[0] == b[0]:
+        return []
+    wanted = "rng_state.pth" if b[0] == 1 else "rng_state_{rank}.pth"
+    before, after = pair.before.name, pair.after.name
+    return [
+        Cause(
+            id="rng_not_restored",
+            title="the RNG state was not restored: the Trainer was resumed on another number "
+            "of processes",
+            score=0.8,
+            before=before,
+            after=after,
+            evidence=[
+                f"{before} was saved by {a[0]} process(es) ({a[1]}), {after} by {b[0]} "
+                f"({b[1]}): on {b[0]} the Trainer loads {wanted}, which {before} does not hold"
+                + ("" if b[0] == 1 else " for every rank")
+                + ", so it resumed with freshly seeded random numbers"
+            ],
+            fix="Resume on the number of processes the run was saved with, or reshard the "
+            f"save for the new one first (`ckpt reshard {before} OUT --world-size {b[0]} "
+            "--rank-state replicate` writes the RNG file each process reads); or declare it "
+            "with --expect rng.",
+        )
+    ]
+
+
 def check(pair: Pair) -> list[Cause]:
     """The RNG cause of one pair of saves."""
     if not pair.after.rng_groups:
         return []
+    resized = _other_world_size(pair)
+    if resized:
+        return resized
     after = _streams(pair.after)
     if not after:
         return []

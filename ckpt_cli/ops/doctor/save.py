@@ -77,7 +77,17 @@ TRAINING_ARGS = (
     "bf16",
     "fp16",
     "seed",
+    "data_seed",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "warmup_ratio",
+    "num_train_epochs",
+    "max_grad_norm",
+    "save_only_model",
+    "ignore_data_skip",
 )
+#: the gradient-clipping norm's names in a loop's saved settings (`config.max_grad_norm`)
+_CLIP_NAMES = ("max_grad_norm", "grad_clip", "clip_grad_norm", "gradient_clipping")
 
 
 @dataclass
@@ -238,6 +248,16 @@ class Save:
                     return float(value)
         value = self.training_args.get("learning_rate")
         return float(value) if isinstance(value, int | float) else None
+
+    @cached_property
+    def current_lr(self) -> float | None:
+        """The learning rate the optimizer's first param group held at the save (what its
+        scheduler last set)."""
+        opt = self.prefix("optimizer")
+        value = self.value(f"{opt}param_groups.0.lr") if opt else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        return None
 
     @cached_property
     def param_groups(self) -> list[int]:
@@ -438,7 +458,48 @@ class Save:
         ):
             if isinstance(args.get(arg), int):
                 out.setdefault(key, (float(args[arg]), f"training_args.bin {arg}"))
+        processes = self.trainer_processes
+        if processes is not None:
+            out.setdefault("world_size", (float(processes[0]), processes[1]))
         return out
+
+    @cached_property
+    def trainer_processes(self) -> tuple[int, str] | None:
+        """How many processes wrote a Trainer save, from its RNG files (the Trainer records no
+        world size): `rng_state.pth` from one, `rng_state_N.pth` from each of several; and the
+        files it was read from. None where they do not say: no RNG file, or per-rank files
+        with one lost (a gap, or `rng_state_0.pth` alone: `consistency` names the lost one)."""
+        if self.layout != "hf-trainer" or self.source.target is not None:
+            return None
+        ranks = []
+        for rel in self.source.files:
+            match = re.fullmatch(r"rng_state(?:_(\d+))?\.\w+", rel)
+            if match is not None:
+                ranks.append(int(match.group(1)) if match.group(1) is not None else -1)
+        if not ranks:
+            return None
+        if -1 in ranks:
+            return 1, "rng_state.pth"
+        if len(ranks) < 2 or sorted(ranks) != list(range(len(ranks))):
+            return None
+        return len(ranks), f"rng_state_0..{len(ranks) - 1}.pth files"
+
+    @cached_property
+    def grad_clip(self) -> tuple[float, str] | None:
+        """The gradient-clipping norm the run was configured with, and where it was read: the
+        Trainer's `max_grad_norm` (training_args.bin), DeepSpeed's `gradient_clipping`, or a
+        loop's own record (`config.max_grad_norm`, `grad_clip` at the top level...)."""
+        found = self.training_args.get("max_grad_norm")
+        if isinstance(found, int | float) and not isinstance(found, bool):
+            return float(found), "training_args.bin max_grad_norm"
+        candidates = ["model_states.ds_config.gradient_clipping"]
+        for home in ("train_state", "config", "args", ""):
+            candidates += [f"{home}.{n}" if home else n for n in _CLIP_NAMES]
+        for name in candidates:
+            value = self.value(name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return float(value), name
+        return None
 
     @cached_property
     def work_counters(self) -> dict[str, float]:

@@ -1,12 +1,16 @@
-"""LR scheduler cause: its state was not restored (`last_epoch` counts again from the resume;
+"""LR scheduler causes: its state was not restored (`last_epoch` counts again from the resume;
 the logged learning rate jumps back into warm-up). A run whose saves hold no scheduler state
-at all is judged by its log alone: at a restart, the learning rate of the step after it is the
-one the run logged at the first steps' distance from its start (`logs.jump`'s `lr_like_step`)."""
+at all is judged at a restart by its log: the learning rate of the step after it is the one the
+run logged at the first steps' distance from its start (`logs.jump`'s `lr_like_step`); without
+a log, by the learning rate its optimizer saved, compared so with an earlier save's. And the
+schedule changed: a scheduler stepped at another pace from the resume on (`schedule_changed`;
+the Trainer's schedule settings are `setup`'s)."""
 
 from __future__ import annotations
 
 from .models import Cause
 from .pair import Pair, counter_restart, fmt
+from .save import Save
 
 _FIX = (
     "Load the scheduler's state dict on resume (Trainer: keep scheduler.pt; "
@@ -29,7 +33,7 @@ def check(pair: Pair) -> list[Cause]:
         return _unsaved(pair)
     found = counter_restart(a.scheduler_epoch, b.scheduler_epoch, a.step, pair.elapsed)
     if found is not None and not found.restarted:
-        return _ran_ahead(pair, found.continued) or _behind(pair)
+        return _pace_changed(pair) or _ran_ahead(pair, found.continued) or _behind(pair)
     if found is None or not found.restarted:
         return []
     copied = _copied(pair, found.before, found.after)
@@ -84,6 +88,62 @@ def _copied(pair: Pair, before: float, after: float) -> list[Cause]:
             fix=f"{b.name}'s scheduler state was copied from {a.name} (files of two saves put "
             "together), or the loop saves a scheduler it does not step: resume from "
             f"{a.name}, and save the scheduler that steps.",
+        )
+    ]
+
+
+def _pace(first: Save | None, last: Save) -> float | None:
+    """The scheduler's steps per counted step from `first` (the run's start when None) to
+    `last`; None when unknown."""
+    start_step = 0 if first is None else first.counted_step
+    start_sched = 0 if first is None else first.scheduler_epoch
+    end_step, end_sched = last.counted_step, last.scheduler_epoch
+    if start_step is None or start_sched is None or end_step is None or end_sched is None:
+        return None
+    if end_step <= start_step or end_sched < start_sched:
+        return None
+    return (end_sched - start_sched) / (end_step - start_step)
+
+
+def _pace_changed(pair: Pair) -> list[Cause]:
+    """The scheduler steps at another pace from the resume on, and keeps it over the next
+    interval: it is stepped otherwise than the run stepped it (accelerate's
+    `step_scheduler_with_optimizer` or gradient accumulation changed: a prepared scheduler
+    steps once per optimizer step with it, on every micro-batch without it). A scheduler
+    stepped again once to catch up runs ahead at the resume only: `_ran_ahead`."""
+    a, b = pair.before, pair.after
+    if not pair.stopped or not pair.later or a.layout == "hf-trainer":
+        return []
+    before = _pace(pair.earlier[-1] if pair.earlier else None, a)
+    after, kept = _pace(a, b), _pace(b, pair.later[0])
+    if before is None or after is None or kept is None or min(before, after) <= 0:
+        return []
+    if abs(after - kept) > 1e-9 * max(after, kept) or max(after, before) < 1.5 * min(after, before):
+        return []
+    spans = [
+        f"{fmt(before)} over {pair.earlier[-1].name if pair.earlier else 'the start'} → {a.name}",
+        f"{fmt(after)} over {a.name} → {b.name}",
+        f"{fmt(kept)} over {b.name} → {pair.later[0].name}",
+    ]
+    return [
+        Cause(
+            id="schedule_changed",
+            title="the LR scheduler steps at another pace since the resume: its schedule runs "
+            + ("faster" if after > before else "slower")
+            + " than the run's",
+            score=0.85,
+            before=a.name,
+            after=b.name,
+            evidence=[
+                f"scheduler {a.scheduler_counter} per step: {'; '.join(spans)}: it is stepped "
+                f"{fmt(after)} time(s) per step since the resume, {fmt(before)} before"
+            ],
+            fix="Step the scheduler as the run did: accelerate steps a prepared scheduler once "
+            "per optimizer step with step_scheduler_with_optimizer=True (num_processes times "
+            "unless split_batches) and on every micro-batch of a gradient accumulation with it "
+            "False, so keep the run's Accelerator(step_scheduler_with_optimizer=..., "
+            "gradient_accumulation_steps=...) and process count; a plain loop: call "
+            "scheduler.step() where the run did. Or declare the change with --expect schedule.",
         )
     ]
 
@@ -194,14 +254,49 @@ def _logged_lr(pair: Pair) -> str | None:
     return line + f" ({log.source})"
 
 
+def _close(x: float, y: float) -> bool:
+    return abs(x - y) <= 1e-6 * max(abs(x), abs(y))
+
+
+def _saved_lr_restarted(pair: Pair) -> str | None:
+    """Where no log covers the resume: the learning rate the optimizer holds at the save after
+    is the one an earlier save held as many steps from the run's start as the save after is
+    from the resume, and neither the one at the save resumed from nor that earlier one are it
+    (the schedule moved): a fresh scheduler set it, its schedule started over."""
+    a, b, steps = pair.before, pair.after, pair.elapsed
+    lr_a, lr_b = a.current_lr, b.current_lr
+    if steps is None or lr_a is None or lr_b is None or _close(lr_a, lr_b):
+        return None
+    like = next(
+        (
+            e
+            for e in pair.earlier
+            if e.step == steps and e.current_lr is not None and _close(e.current_lr, lr_b)
+        ),
+        None,
+    )
+    if like is None:
+        return None
+    return (
+        f"optimizer learning rate {lr_b:.3g} at {b.name}, {fmt(steps)} steps after the resume "
+        f"from {a.name} ({lr_a:.3g}): the value {like.name} held {fmt(steps)} steps from the "
+        "run's start (warm-up again)"
+    )
+
+
 def _unsaved(pair: Pair) -> list[Cause]:
     """Saves without scheduler state on a side: the log's learning rate at a restart, back at
     the value of the run's first steps, is the only witness."""
     a, b = pair.before, pair.after
     log = pair.log
-    if not pair.stopped or log is None or log.lr_like_step is None:
+    if not pair.stopped:
         return []
-    line = _logged_lr(pair)
+    if log is not None and log.lr_like_step is not None:
+        line = _logged_lr(pair)
+    else:
+        line = _saved_lr_restarted(pair)
+        if line is None:
+            return []
     missing = [s.name for s in (a, b) if s.scheduler_epoch is None]
     evidence = [line] if line is not None else []
     evidence.append(
@@ -218,6 +313,13 @@ def _unsaved(pair: Pair) -> list[Cause]:
             before=a.name,
             after=b.name,
             evidence=evidence,
-            fix=_FIX_UNSAVED if a.scheduler_epoch is None else _FIX,
+            fix=(
+                "The Trainer's save_only_model=True saves keep no scheduler.pt: train with "
+                "save_only_model=False to resume on the run's schedule."
+                if a.scheduler_epoch is None and a.training_args.get("save_only_model") is True
+                else _FIX_UNSAVED
+                if a.scheduler_epoch is None
+                else _FIX
+            ),
         )
     ]

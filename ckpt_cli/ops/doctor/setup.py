@@ -1,6 +1,7 @@
 """Run-setup causes: the global batch changed (world size, per-device batch or gradient
-accumulation) without the learning rate rescaled with it; the seed, the model config or the
-tokenizer changed between the saves."""
+accumulation) without the learning rate rescaled with it; the seed (or the data seed), the
+learning-rate schedule's settings, the gradient clipping, the model config or the tokenizer
+changed between the saves."""
 
 from __future__ import annotations
 
@@ -302,24 +303,139 @@ def check_tokenizer(pair: Pair) -> list[Cause]:
 
 
 def check_seed(pair: Pair) -> list[Cause]:
-    """The seed cause of one pair: the Trainer's `seed` (training_args.bin) changed."""
+    """The seed cause of one pair: the Trainer's `seed`, or the `data_seed` its sampler
+    shuffles with (`seed` where unset), changed (training_args.bin)."""
     a, b = pair.before, pair.after
-    seed_a, seed_b = a.training_args.get("seed"), b.training_args.get("seed")
-    if not isinstance(seed_a, int) or not isinstance(seed_b, int) or seed_a == seed_b:
+    args_a, args_b = a.training_args, b.training_args
+    seed_a, seed_b = args_a.get("seed"), args_b.get("seed")
+    if not isinstance(seed_a, int) or not isinstance(seed_b, int):
         return []
+    data_a, data_b = args_a.get("data_seed"), args_b.get("data_seed")
+    shuffle_a = data_a if isinstance(data_a, int) else seed_a
+    shuffle_b = data_b if isinstance(data_b, int) else seed_b
+    where = f"training_args.bin of {a.name} and {b.name}"
+    evidence: list[str] = []
+    if seed_a != seed_b:
+        evidence.append(
+            f"seed {seed_a} → {seed_b} at the resume ({where}): the random draws after the "
+            "resume (dropout, initialisations) are not the run's"
+        )
+    if shuffle_a != shuffle_b:
+        evidence.append(
+            f"data_seed {_seed(data_a)} → {_seed(data_b)} at the resume ({where}): the sampler shuffles with "
+            f"{shuffle_b} (was {shuffle_a}), so the batches after the resume are not the ones "
+            "the run would have seen, and the batches skipped to the resume point are not the "
+            "ones it trained on"
+        )
+    if not evidence:
+        return []
+    data_only = seed_a == seed_b
     return [
         Cause(
             id="seed_changed",
-            title="the run was resumed with another seed: another data order and dropout",
+            title="the run was resumed with another data seed: another data order"
+            if data_only
+            else "the run was resumed with another seed: another data order and dropout",
+            score=0.7,
+            before=a.name,
+            after=b.name,
+            evidence=evidence,
+            fix="Resume with the seeds the run was started with (TrainingArguments.seed "
+            f"{seed_a}"
+            + (f", data_seed {_seed(data_a)}" if shuffle_a != shuffle_b else "")
+            + " here), "
+            "or declare the change with --expect seed_changed.",
+        )
+    ]
+
+
+def _seed(value: Any) -> str:
+    return "unset" if value is None else str(value)
+
+
+#: the Trainer's schedulers whose learning rate does not depend on the run's total steps
+_NO_TOTAL = ("constant", "constant_with_warmup", "reduce_lr_on_plateau", "inverse_sqrt")
+
+
+def check_schedule(pair: Pair) -> list[Cause]:
+    """The schedule cause of one pair: the Trainer's scheduler settings (`lr_scheduler_type`,
+    the warm-up, the total steps it decays over) other after the resume. A restored scheduler
+    keeps its step count, never its shape: `LambdaLR` saves no lambda, the Trainer builds it
+    anew from the arguments, so the learning rate follows the new curve from the resume on."""
+    a, b = pair.before, pair.after
+    args_a, args_b = a.training_args, b.training_args
+    evidence: list[str] = []
+    for key in ("lr_scheduler_type", "warmup_steps", "warmup_ratio"):
+        if key in args_a and key in args_b and args_a[key] != args_b[key]:
+            evidence.append(
+                f"{key} {args_a[key]} at {a.name}, {args_b[key]} at {b.name} (training_args.bin)"
+            )
+    total_a, total_b = a.value("trainer_state.max_steps"), b.value("trainer_state.max_steps")
+    kind = args_b.get("lr_scheduler_type")
+    if (
+        isinstance(total_a, int)
+        and isinstance(total_b, int)
+        and total_a > 0
+        and total_b > 0
+        and total_a != total_b
+        and kind not in _NO_TOTAL
+    ):
+        epochs_a, epochs_b = args_a.get("num_train_epochs"), args_b.get("num_train_epochs")
+        why = (
+            f", num_train_epochs {fmt(epochs_a)} → {fmt(epochs_b)}"
+            if isinstance(epochs_a, int | float)
+            and isinstance(epochs_b, int | float)
+            and epochs_a != epochs_b
+            else ""
+        )
+        evidence.append(
+            f"total steps {total_a} at {a.name}, {total_b} at {b.name} (trainer_state.json "
+            f"max_steps{why}): the {kind or 'learning-rate'} schedule now runs over "
+            f"{total_b} steps, so the learning rate after the resume is not the run's"
+        )
+    if not evidence:
+        return []
+    return [
+        Cause(
+            id="schedule_changed",
+            title="the learning-rate schedule was changed at the resume: the restored "
+            "scheduler follows another curve",
+            score=0.75,
+            before=a.name,
+            after=b.name,
+            evidence=evidence,
+            fix="A restored scheduler keeps its step count only; its shape comes from the "
+            "arguments of the resumed run: resume with the run's lr_scheduler_type, warm-up "
+            "and total steps (max_steps, or num_train_epochs; extending a run changes its "
+            "decay), or declare the change with --expect schedule.",
+        )
+    ]
+
+
+def check_grad_clip(pair: Pair) -> list[Cause]:
+    """The gradient-clipping cause of one pair: the clipping norm the run was configured with
+    (the Trainer's `max_grad_norm`, DeepSpeed's `gradient_clipping`, a loop's own record)
+    other after the resume. No optimizer state keeps it: the resumed run clips as it is told."""
+    a, b = pair.before, pair.after
+    clip_a, clip_b = a.grad_clip, b.grad_clip
+    if clip_a is None or clip_b is None or clip_a[0] == clip_b[0]:
+        return []
+    where = sorted({clip_a[1], clip_b[1]})
+    off = " (0: no clipping)" if 0.0 in (clip_a[0], clip_b[0]) else ""
+    return [
+        Cause(
+            id="grad_clip_changed",
+            title="the gradient clipping changed at the resume: the updates are clipped otherwise",
             score=0.7,
             before=a.name,
             after=b.name,
             evidence=[
-                f"seed {seed_a} → {seed_b} at the resume (training_args.bin of {a.name} and "
-                f"{b.name}): the Trainer seeds its sampler's shuffle and the random draws "
-                "from it, so the batches after the resume are not the ones the run would have seen"
+                f"gradient clipping norm {fmt(clip_a[0])} at {a.name}, {fmt(clip_b[0])} at "
+                f"{b.name} ({' / '.join(where)}){off}: no saved state carries it, the resumed "
+                "run clips its gradients as it is configured"
             ],
-            fix="Resume with the seed the run was started with (TrainingArguments.seed, "
-            f"{seed_a} here), or declare the change with --expect seed_changed.",
+            fix=f"Resume with the run's clipping norm ({fmt(clip_a[0])} here: "
+            "TrainingArguments.max_grad_norm, DeepSpeed's gradient_clipping, the max_norm of "
+            "clip_grad_norm_), or declare the change with --expect grad-clip.",
         )
     ]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 from ...formats.base import Source
@@ -14,10 +15,14 @@ _VALUE_OPS = frozenset(
     ("BININT", "BININT1", "BININT2", "LONG1", "INT", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE")
 )
 
+#: one opcode as `pickletools.genops` yields it: (its info, its argument, its position)
+_Op = tuple[Any, Any, Any]
+
 
 def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dict[str, Any]:
     """Plain fields (bool, int, float, str, None) of a Trainer's `training_args.bin`, read from
-    the pickle's opcodes alone; fields stored otherwise (enums, lists) are left out.
+    the pickle's opcodes alone; a string enum (`lr_scheduler_type`: `SchedulerType('cosine')`,
+    its class then its value) is read as its value; fields stored otherwise (lists) are left out.
 
     The file is a torch.save zip of transformers' `TrainingArguments`; nothing in it is ever
     unpickled (it would import and run transformers code). Its `data.pkl` stores the dataclass
@@ -46,7 +51,7 @@ def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dic
     wanted = set(names)
     found: dict[str, Any] = {}
     try:
-        for (key_op, arg, _), (op, value, _) in itertools.pairwise(ops):
+        for (key_op, arg, _), (op, value, _), (then, enum_value, _) in _triples(ops):
             if key_op.name not in ("SHORT_BINUNICODE", "BINUNICODE") or arg not in wanted:
                 continue
             if arg in found:
@@ -55,6 +60,16 @@ def training_arg_values(source: Source, rel: str, names: tuple[str, ...]) -> dic
                 found[arg] = _CONSTANT_OPS[op.name]
             elif op.name in _VALUE_OPS:
                 found[arg] = value
+            elif op.name == "GLOBAL" and then.name in ("SHORT_BINUNICODE", "BINUNICODE"):
+                found[arg] = enum_value  # an enum's class (never imported), then its value
     except Exception:
         return {}
     return found
+
+
+def _triples(ops: Iterator[_Op]) -> Iterator[tuple[_Op, _Op, _Op]]:
+    """Each opcode with the two that follow it (a field's value is at most two opcodes on;
+    the pickle's last two opcodes, its STOP among them, begin no field)."""
+    pairs = itertools.pairwise(ops)
+    for (first, second), (_, third) in itertools.pairwise(pairs):
+        yield first, second, third
