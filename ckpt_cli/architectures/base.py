@@ -345,6 +345,23 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(out) + r"\Z")
 
 
+def numbers_held(
+    names: Iterable[str], patterns: Sequence[str], key: str = "layer"
+) -> dict[str, set[int]]:
+    """Per pattern, the numbers its `{key}` placeholder takes in `names` (0 for a pattern with
+    none): which layers (or vision blocks) hold which tensors. A name counts for the first
+    pattern it matches."""
+    compiled = {p: compile_pattern(p) for p in dict.fromkeys(patterns)}
+    held: dict[str, set[int]] = {p: set() for p in compiled}
+    for name in names:
+        for pattern, regex in compiled.items():
+            m = regex.match(name)
+            if m:
+                held[pattern].add(int(m.group(key)) if key in regex.groupindex else 0)
+                break
+    return held
+
+
 @dataclass(frozen=True)
 class Match:
     """A source tensor a rule's pattern matched: its name, shape, dtype and placeholders."""
@@ -955,14 +972,7 @@ class Architecture(ABC):
             for _, _, p in cls._side(HF)
             if "{layer}" in p and p not in optional and p not in grouped
         ]
-        compiled = {p: compile_pattern(p) for p in dict.fromkeys([*every, *grouped])}
-        held: dict[str, set[int]] = {p: set() for p in compiled}
-        for name in names:
-            for pattern, regex in compiled.items():
-                m = regex.match(name)
-                if m:
-                    held[pattern].add(int(m.group("layer")))
-                    break
+        held = numbers_held(names, [*every, *grouped])
         layers = set().union(*held.values())
         for layer in range(max(layers) + 1 if layers else 0):
             lacks = [p for p in every if layer not in held[p]]

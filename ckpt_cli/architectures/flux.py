@@ -46,7 +46,7 @@ from .base import (
     Piece,
     Rename,
     TensorRule,
-    compile_pattern,
+    numbers_held,
     one,
 )
 
@@ -292,14 +292,7 @@ class Flux(Architecture):
         single-stream blocks apart (FLUX.1 has 19 of one and 38 of the other)."""
         for prefix in (_D.split("{")[0], _S.split("{")[0]):
             patterns = [p for rule in cls.rules[TITAN] for p in rule.hf if p.startswith(prefix)]
-            compiled = {p: compile_pattern(p) for p in patterns}
-            held: dict[str, set[int]] = {p: set() for p in patterns}
-            for name in names:
-                for pattern, regex in compiled.items():
-                    m = regex.match(name)
-                    if m:
-                        held[pattern].add(int(m.group("layer")))
-                        break
+            held = numbers_held(names, patterns)
             layers = set().union(*held.values())
             for layer in range(max(layers) + 1 if layers else 0):
                 lacks = [p.format(layer=layer) for p in patterns if layer not in held[p]]

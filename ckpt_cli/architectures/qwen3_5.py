@@ -56,7 +56,7 @@ from .base import (
     Piece,
     Rename,
     TensorRule,
-    compile_pattern,
+    numbers_held,
     one,
 )
 
@@ -686,21 +686,12 @@ class _Qwen35(Architecture):
         held = [n for n in names if n.startswith("model.visual.")]
         if not held:
             return
-        patterns = {p: compile_pattern(p) for p in _VISION_HF}
-        blocks: set[int] = set()
-        found: dict[str, set[int]] = {p: set() for p in patterns}
-        for name in held:
-            for pattern, regex in patterns.items():
-                m = regex.match(name)
-                if m:
-                    block = int(m.group("block")) if "{block}" in pattern else 0
-                    found[pattern].add(block)
-                    blocks.add(block)
-                    break
-        for block in range(max(blocks) + 1):
+        found = numbers_held(held, _VISION_HF, "block")
+        blocks = set().union(*found.values())
+        for block in range(max(blocks) + 1 if blocks else 1):
             lacks = [
                 p.format(block=block)
-                for p in patterns
+                for p in _VISION_HF
                 if ("{block}" in p or block == 0) and block not in found[p]
             ]
             if lacks:
