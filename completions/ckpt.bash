@@ -117,7 +117,7 @@ _ckpt() {
     diff\ --token) COMPREPLY=(); return ;;
     doctor\ --before) COMPREPLY=(); return ;;
     doctor\ --after) COMPREPLY=(); return ;;
-    doctor\ --expect) COMPREPLY=( $(compgen -W "batch world-size precision config tokenizer scheduler optimizer optimizer-settings data rng ema scaler" -- "$cur") ); return ;;
+    doctor\ --expect) COMPREPLY=( $(compgen -W "batch world-size precision config tokenizer scheduler optimizer optimizer-settings data rng ema scaler schedule grad-clip" -- "$cur") ); return ;;
     doctor\ --settle) COMPREPLY=(); return ;;
     doctor\ --revision) COMPREPLY=(); return ;;
     doctor\ --repo-type) COMPREPLY=( $(compgen -W "model dataset space" -- "$cur") ); return ;;

@@ -174,7 +174,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from diff' -l token -r -f -d 'Hub SR
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l help -s h -d 'Show help and exit'
 complete -c ckpt -n '__fish_seen_subcommand_from doctor' -l before -r -f -d 'The save the run resumed from (path, or name in RUN_DIR)'
 complete -c ckpt -n '__fish_seen_subcommand_from doctor' -l after -r -f -d 'A save the resumed run wrote (path, or name in RUN_DIR)'
-complete -c ckpt -n '__fish_seen_subcommand_from doctor' -l expect -r -f -a 'batch world-size precision config tokenizer scheduler optimizer optimizer-settings data rng ema scaler' -d 'A change made on purpose, reported but not ranked (repeatable): batch, world-size, precision, config, tokenizer, scheduler, optimizer, optimizer-settings, data, rng, ema, scaler'
+complete -c ckpt -n '__fish_seen_subcommand_from doctor' -l expect -r -f -a 'batch world-size precision config tokenizer scheduler optimizer optimizer-settings data rng ema scaler schedule grad-clip' -d 'A change made on purpose, reported but not ranked (repeatable): batch, world-size, precision, config, tokenizer, scheduler, optimizer, optimizer-settings, data, rng, ema, scaler'
 complete -c ckpt -n '__fish_seen_subcommand_from doctor' -l settle -r -f -d 'A save modified within this DURATION (seconds, or 2m, 1h) may still be being written: an incomplete one counts as writing, not interrupted (in RUN_DIR; default 120)'
 complete -c ckpt -n '__fish_seen_subcommand_from doctor' -l json -d 'Print one JSON document on stdout (the ckpt_json envelope)'
 complete -c ckpt -n '__fish_seen_subcommand_from doctor' -l quiet -s q -d 'Print nothing on stderr but errors: no progress, warnings or notes'

@@ -100,6 +100,8 @@ OPTION_VALUES: dict[str, list[str]] = {
         "rng",
         "ema",
         "scaler",
+        "schedule",
+        "grad-clip",
     ],
     "--rank-state": ["keep", "drop", "replicate"],
     "--naming": ["auto", "off", "hf", "torchtitan", "megatron"],
