@@ -180,6 +180,8 @@ def test_inspect_of_a_local_model_loads_no_pool_no_progress_and_builds_few_schem
     loaded = set(seen["modules"])
     assert "concurrent.futures" not in loaded
     assert "rich.progress" not in loaded
+    # the options given and left out were taken as they came, without a pydantic adapter each
+    assert "typer._adapters" not in loaded
     # the report and what it is made of are built; the run scanner's, the writers' are not
     assert "InspectReport" in seen["built"] and "Manifest" in seen["built"]
     assert "RunReport" not in seen["built"] and "ConvertReport" not in seen["built"]
@@ -328,3 +330,67 @@ def test_the_console_script_leaves_without_the_interpreters_teardown(model: Path
     )
     assert failed.returncode == 3 and json.loads(failed.stdout)["ok"] is False
     assert "teardown ran" not in failed.stderr
+
+
+# ------------------------------------------------------------- option values without adapters
+# typer builds a pydantic adapter for every parameter of the command being run; ckpt hands it
+# the values already of their type itself (`PlainValues`) and leaves the rest to typer.
+
+
+def _typer_and_plain(param: Any) -> tuple[Any, Any]:
+    from typer._coercion import build_runtime_param
+
+    from ckpt_cli.cli.conventions import PlainValues
+
+    described = param.type_descriptor
+    plain = PlainValues(parameter_info=described.parameter_info, annotation=described.annotation)
+    return build_runtime_param(described), plain
+
+
+def _outcome(coercion: Any, value: Any, param: Any, ctx: Any) -> tuple[Any, ...]:
+    """What `coercion` makes of `value`: the value and its type, or the error it raises."""
+    try:
+        got = coercion.coerce(value, param=param, ctx=ctx)
+    except Exception as exc:  # the same refusal, message and all, is what is compared
+        return ("refused", type(exc).__name__, str(exc))
+    return ("taken", got, type(got))
+
+
+def test_every_plain_option_of_every_command_takes_its_values_as_typer_would() -> None:
+    import click
+    import typer.main
+
+    from ckpt_cli.cli.app import get_app
+    from ckpt_cli.cli.conventions import coerce_plain_values
+
+    samples: dict[Any, list[Any]] = {
+        str: ["model.safetensors", "", "--x", "hf://org/model@main"],
+        bool: [True, False],
+        int: [0, 3, "3", " 7 ", "-2"],
+        float: [0.5, 2.0, "0.25", "1e-3"],
+        list[str]: [(), ("a",), ("*.weight", "model.*"), ["x", "y"]],
+    }
+    root = typer.main.get_command(get_app())
+    checked = 0
+    for command in [root, *root.commands.values()]:  # type: ignore[attr-defined]
+        ctx = click.Context(command)
+        params = [*command.params, command.get_help_option(ctx)]
+        coerce_plain_values(params)
+        for param in params:
+            values = samples.get(param.type_descriptor.annotation)
+            if values is None:
+                continue
+            typer_side, plain = _typer_and_plain(param)
+            for value in values:
+                expected = _outcome(typer_side, value, param, ctx)
+                assert _outcome(plain, value, param, ctx) == expected, (param.name, value)
+                checked += 1
+    assert checked > 500
+
+
+def test_a_value_typer_refuses_is_refused_with_typers_message(tmp_path: Path) -> None:
+    from .conftest import run_ckpt
+
+    result = run_ckpt("prune", str(tmp_path), "--keep-last", "three")
+    assert result.exit_code == 2
+    assert "'--keep-last'" in result.stderr and "valid integer" in result.stderr, result.stderr

@@ -8,6 +8,7 @@ the app with them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import functools
 import inspect
@@ -16,13 +17,14 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import PurePath
 from typing import Annotated, Any, ClassVar, Generic, NoReturn, TypeVar
 
 import typer
 import typer.core
 import typer.models
+from typer._coercion import RuntimeParam, build_runtime_param
 
 from ..errors import CkptError, UsageError
 from ..storage.uri import is_hub_url, with_hub_options
@@ -375,13 +377,75 @@ def _conventions(function: Callable[..., Any], name: str | None = None) -> Calla
     return command
 
 
-class CkptGroup(typer.core.TyperGroup):
+@dataclasses.dataclass(frozen=True)
+class PlainValues(RuntimeParam):
+    """Typer's coercion of an option or argument, without building a pydantic adapter for a
+    value that is already what the annotation asks for.
+
+    typer 0.29 builds a pydantic `TypeAdapter` for every parameter of the command being run,
+    given or not, before it coerces its value: for `inspect` 11 of them, about a tenth of a
+    metadata command's CPU (#30). The values the parser hands over are mostly of their type
+    already: a `str` for `str`, a `bool` flag, a default `int`, a tuple of `str` for
+    `list[str]`. Those are returned as typer's adapter would return them; any other value
+    (`--keep-last 3` arrives as the text "3") goes to typer's own coercion, built then, so that
+    its conversions and messages stay typer's.
+    """
+
+    def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
+        kind = self.annotation
+        if kind is str and isinstance(value, str):
+            return value
+        bounded = self.parameter_info.min is not None or self.parameter_info.max is not None
+        if kind in (bool, int, float) and type(value) is kind and not bounded:
+            return value
+        if (
+            kind == list[str]
+            and isinstance(value, (list, tuple))
+            and all(isinstance(item, str) for item in value)
+        ):
+            return list(value)
+        return build_runtime_param(param.type_descriptor)._coerce_value(value, param, ctx)
+
+
+#: the annotations `PlainValues` takes (others, e.g. enums and paths, keep typer's adapters)
+_PLAIN_ANNOTATIONS: tuple[Any, ...] = (str, bool, int, float, list[str])
+
+
+def coerce_plain_values(params: Iterable[Any]) -> None:
+    """Give each plain parameter of `params` `PlainValues`, before its values are parsed."""
+    for param in params:
+        if not isinstance(param, (typer.core.TyperOption, typer.core.TyperArgument)):
+            continue
+        described = param.type_descriptor
+        if (
+            param._runtime_param is None
+            and described.annotation in _PLAIN_ANNOTATIONS
+            and described.parameter_info.parser is None
+            and described.file_annotation is None
+        ):
+            param._runtime_param = PlainValues(
+                parameter_info=described.parameter_info, annotation=described.annotation
+            )
+
+
+class PlainHelpOption:
+    """Mixin for typer's commands and groups: `--help`, which typer makes on first use, is a
+    plain flag too."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)  # type: ignore[misc]
+        coerce_plain_values([option])
+        return option
+
+
+class CkptGroup(PlainHelpOption, typer.core.TyperGroup):
     """The root command: parser errors as one line (or one JSON envelope), EPIPE as exit 141."""
 
     #: the command line being run (set by `main`), for what is reported before a command runs
     argv: ClassVar[list[str]] = []
 
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        coerce_plain_values(self.params)
         try:
             return super().make_context(*args, **kwargs)
         except OSError as exc:  # the help on stdout: `ckpt --help | head -1`, `> /dev/full`
@@ -484,11 +548,12 @@ def _report_parser_error(exc: Any, argv: list[str]) -> int:
     return int(exc.exit_code)
 
 
-class CkptCommand(typer.core.TyperCommand):
+class CkptCommand(PlainHelpOption, typer.core.TyperCommand):
     """A command whose help names arguments by their metavar (SRC, DEST), bare, as git does, and
     whose help on a stdout that refuses it is an I/O error (exit 74), as the root's is."""
 
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        coerce_plain_values(self.params)
         try:
             return super().make_context(*args, **kwargs)
         except OSError as exc:  # its help, printed while its options are parsed: `> /dev/full`
