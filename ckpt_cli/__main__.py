@@ -11,6 +11,8 @@ import io
 import os
 import signal
 import sys
+import types
+from collections.abc import Iterable
 from typing import NoReturn
 
 
@@ -34,6 +36,7 @@ def run() -> int:
         # line. An explicit PYDANTIC_DISABLE_PLUGINS (even empty, which loads them all) is
         # left as the user set it.
         os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "1")
+        _without_plugin_loader()
         from .cli.app import main
 
         main()
@@ -51,6 +54,39 @@ def run() -> int:
         # `__set_name__` (pydantic's, importing while the arguments parse) into a RuntimeError
         code = _early_interruption(None)
     return code
+
+
+class _NoPydanticPlugins(types.ModuleType):
+    """Stands in for `pydantic.plugin._loader` while plugins are disabled: its `get_plugins`
+    finds none, as the real one does then, without the real module's import of
+    `importlib.metadata` (and `email`, which that imports): ~30 ms of every command's
+    start-up, for a scan the setting skips anyway (#30). Anything else asked of it, or plugins
+    enabled later in the process, loads the real module in its place."""
+
+    def get_plugins(self) -> Iterable[object]:
+        if os.environ.get("PYDANTIC_DISABLE_PLUGINS") in ("__all__", "1", "true"):
+            return ()
+        return self._real().get_plugins()  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):  # what the import system asks of any module (`__path__`)
+            raise AttributeError(name)
+        return getattr(self._real(), name)
+
+    def _real(self) -> types.ModuleType:
+        import importlib
+
+        if sys.modules.get(self.__name__) is self:
+            del sys.modules[self.__name__]
+        return importlib.import_module(self.__name__)
+
+
+def _without_plugin_loader() -> None:
+    """Put `_NoPydanticPlugins` in the place of pydantic's plugin loader, unless the user asked
+    for plugins or something loaded the real one already."""
+    name = "pydantic.plugin._loader"
+    if os.environ.get("PYDANTIC_DISABLE_PLUGINS") == "1" and name not in sys.modules:
+        sys.modules[name] = _NoPydanticPlugins(name)
 
 
 def _early_interruption(exc: BaseException | None) -> int:

@@ -209,6 +209,42 @@ def test_plugins_stay_as_the_user_set_them(model: Path) -> None:
     assert seen["code"] == 0 and seen["plugins"] == ""
 
 
+def test_a_pydantic_plugin_the_user_enables_still_sees_ckpts_models(
+    model: Path, tmp_path: Path
+) -> None:
+    """pydantic's plugin loader stays out of a plain run (it imports `importlib.metadata`), and
+    a plugin installed as pydantic documents it (an entry point in the `pydantic` group) still
+    sees every model ckpt builds once the user enables plugins."""
+    seen_file = tmp_path / "seen.txt"
+    site = tmp_path / "site"
+    (site / "probe_plugin-1.0.dist-info").mkdir(parents=True)
+    (site / "probe_plugin-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: probe-plugin\nVersion: 1.0\n"
+    )
+    (site / "probe_plugin-1.0.dist-info" / "entry_points.txt").write_text(
+        "[pydantic]\nprobe = probe_plugin:plugin\n"
+    )
+    (site / "probe_plugin.py").write_text(
+        "import os\n"
+        "class Plugin:\n"
+        "    def new_schema_validator(self, schema, schema_type, path, kind, config, settings):\n"
+        "        with open(os.environ['PROBE_SEEN'], 'a') as fh:\n"
+        "            fh.write(path.name + '\\n')\n"
+        "        return None, None, None\n"
+        "plugin = Plugin()\n"
+    )
+    path = f"{REPO}{os.pathsep}{site}"
+    env = {"PYTHONPATH": path, "PROBE_SEEN": str(seen_file)}
+    plain, _ = _probe("inspect", model, "--json", env=env)
+    assert plain["code"] == 0
+    assert "importlib.metadata" not in plain["modules"] and not seen_file.exists()
+    enabled, stdout = _probe(
+        "inspect", model, "--json", env={**env, "PYDANTIC_DISABLE_PLUGINS": ""}
+    )
+    assert enabled["code"] == 0 and json.loads(stdout)["result"]["tensors"] == 4
+    assert "InspectReport" in seen_file.read_text().split()
+
+
 def test_a_model_validates_and_dumps_the_same_once_built_on_first_use() -> None:
     from ckpt_cli.models import Entry, Manifest
 

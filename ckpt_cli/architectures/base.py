@@ -333,16 +333,72 @@ def rotary_permute(
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
-def compile_pattern(pattern: str) -> re.Pattern[str]:
-    """`layers.{layer}.attention.wo.weight` as a regex with a named integer group per
-    placeholder (`{layer}`, `{expert}`)."""
-    out, last = [], 0
-    for m in _PLACEHOLDER.finditer(pattern):
-        out.append(re.escape(pattern[last : m.start()]))
-        out.append(rf"(?P<{m.group(1)}>\d+)")
-        last = m.end()
-    out.append(re.escape(pattern[last:]))
-    return re.compile("".join(out) + r"\Z")
+class NamePattern:
+    """A tensor-name pattern (`layers.{layer}.attention.wo.weight`, or a prefix such as
+    `optimizer.`), matched as its regex (a named integer group per placeholder) would match.
+
+    Recognising a model's family tries hundreds of patterns on its first names, and almost all
+    of them fail on the literal text around the placeholders; compiling each regex cost most of
+    a metadata command's recognition (#30). A name that lacks the literal head or tail is
+    refused on those alone, and the regex is compiled on the first name that has them.
+    """
+
+    __slots__ = ("_regex", "head", "pattern", "prefix", "tail")
+
+    def __init__(self, pattern: str, *, prefix: bool = False) -> None:
+        self.pattern = pattern
+        self.prefix = prefix
+        pieces = _PLACEHOLDER.split(pattern)  # literal, name, literal, name, ..., literal
+        self.head = pieces[0]
+        self.tail = "" if prefix else pieces[-1]
+        self._regex: re.Pattern[str] | None = None
+
+    @property
+    def regex(self) -> re.Pattern[str]:
+        """The compiled regex (compiled on first use)."""
+        if self._regex is None:
+            if self.prefix:
+                self._regex = re.compile(re.escape(self.pattern) + r".*\Z", re.DOTALL)
+            else:
+                out, last = [], 0
+                for m in _PLACEHOLDER.finditer(self.pattern):
+                    out.append(re.escape(self.pattern[last : m.start()]))
+                    out.append(rf"(?P<{m.group(1)}>\d+)")
+                    last = m.end()
+                out.append(re.escape(self.pattern[last:]))
+                self._regex = re.compile("".join(out) + r"\Z")
+        return self._regex
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the regex has been compiled (a name had the literal head and tail)."""
+        return self._regex is not None
+
+    @property
+    def groupindex(self) -> Mapping[str, int]:
+        """The placeholders' group numbers, by name."""
+        return self.regex.groupindex
+
+    def match(self, name: str) -> re.Match[str] | None:
+        """The match of the whole of `name`, or None."""
+        if not name.startswith(self.head) or not name.endswith(self.tail):
+            return None
+        return self.regex.match(name)
+
+
+#: every pattern made so far, by (pattern, prefix): the families' tables are fixed, so each is
+#: made, and its regex compiled, once a process
+NAME_PATTERNS: dict[tuple[str, bool], NamePattern] = {}
+
+
+def compile_pattern(pattern: str, *, prefix: bool = False) -> NamePattern:
+    """`layers.{layer}.attention.wo.weight` as a `NamePattern`: a named integer group per
+    placeholder (`{layer}`, `{expert}`); with `prefix`, every name that starts with `pattern`."""
+    key = (pattern, prefix)
+    made = NAME_PATTERNS.get(key)
+    if made is None:
+        made = NAME_PATTERNS[key] = NamePattern(pattern, prefix=prefix)
+    return made
 
 
 def numbers_held(
@@ -571,11 +627,9 @@ class Ignored:
     prefix: bool = False
     computes: bool = False
 
-    def regex(self) -> re.Pattern[str]:
+    def regex(self) -> NamePattern:
         """The names this covers."""
-        if self.prefix:
-            return re.compile(re.escape(self.pattern) + r".*\Z", re.DOTALL)
-        return compile_pattern(self.pattern)
+        return compile_pattern(self.pattern, prefix=self.prefix)
 
 
 @dataclass
@@ -740,7 +794,7 @@ class Architecture(ABC):
         return out
 
     @classmethod
-    def _patterns(cls, naming: str) -> list[re.Pattern[str]]:
+    def _patterns(cls, naming: str) -> list[NamePattern]:
         """Every rule and ignore pattern of `naming`'s side, compiled."""
         side = [compile_pattern(p) for _, _, p in cls._side(naming)]
         passed = (*cls.ignored.get(naming, ()), *cls.unmapped.get(naming, ()))

@@ -26,7 +26,6 @@ a diffusers model holding one is refused, naming it (`unmapped`), and the export
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -268,6 +267,8 @@ def _layers(shapes: Mapping[str, Sequence[int]], pattern: str) -> list[int]:
 def _diffusers_version() -> str:
     """What diffusers' own `save_config` writes as `_diffusers_version`: the installed
     release (read from its metadata, not imported), else the first with Flux."""
+    import importlib.metadata  # ~30 ms: only an export to diffusers needs it, not recognition
+
     try:
         return importlib.metadata.version("diffusers")
     except importlib.metadata.PackageNotFoundError:
