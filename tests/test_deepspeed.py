@@ -977,3 +977,89 @@ def test_saves_made_without_a_latest_file_are_complete_and_the_newest_is_named(
     assert status["global_step3"] == "incomplete" and status["global_step2"] == "complete"
     assert listing["latest"] == str(run / "global_step2")
     assert "no `latest` file" not in run_ckpt("latest", run).stderr
+
+
+def test_a_tag_linked_to_another_tag_reads_as_that_tag_and_prune_keeps_both(
+    tagged_run: Path, tmp_path: Path
+) -> None:
+    """`ln -s step_2 best` and `latest` naming `best` (DeepSpeed's load_checkpoint follows the
+    link): `verify` and `convert` of the run folder said `latest` named a missing tag (exit
+    3). The link is another name of the save inside the checkpoint: read as that tag, shown as
+    its alias, kept by `prune` with its target, and never deleted through."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from .run_fixtures import age
+
+    run = shutil.copytree(tagged_run, tmp_path / "run")
+    (run / "best").symlink_to("step_2", target_is_directory=True)
+    (run / "latest").write_text("best")
+    age(run)
+    verify = run_ckpt("verify", run, "--json")
+    assert verify.exit_code == 0, verify.stdout + verify.stderr
+    assert verify.json["result"]["location"] == str(run)
+    out = tmp_path / "weights.safetensors"
+    converted = run_ckpt("convert", run, out, "--to", "safetensors", "--select", "model")
+    assert converted.exit_code == 0, converted.stderr
+    expected = get_fp32_state_dict_from_zero_checkpoint(str(run))  # DeepSpeed follows `latest`
+    got = load_file(out)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v.contiguous()) for k, v in expected.items())
+
+    table = run_ckpt("inspect", run)
+    best = next(line for line in table.stdout.splitlines() if line.startswith("best"))
+    assert "alias of step_2" in best and "deepspeed-latest" in best, table.stdout
+    listing = run_ckpt("latest", run, "--json").json["result"]
+    rows = {c["name"]: c for c in listing["checkpoints"]}
+    assert rows["best"]["status"] == "complete" and rows["best"]["step"] == 2
+    assert "link-target" in rows["step_2"]["markers"]
+
+    plan = run_ckpt("prune", run, "--keep-last", "1", "--settle", "0", "--yes", "--json")
+    assert plan.exit_code == 0, plan.stdout
+    actions = {d["name"]: d["action"] for d in plan.json["result"]["decisions"]}
+    assert actions["best"] == "keep" and actions["step_2"] == "keep", actions
+    assert (run / "best").is_symlink() and (run / "step_2" / "mp_rank_00_model_states.pt").exists()
+    assert run_ckpt("verify", run).exit_code == 0
+
+
+def test_a_tag_linked_out_of_the_checkpoint_is_refused_naming_the_link_and_its_target(
+    tagged_run: Path, tmp_path: Path
+) -> None:
+    """`latest` naming `best`, a link to a save outside the run folder. Opened through `latest`
+    (the run folder is the checkpoint) nothing is read through the link: the refusal names the
+    link, where it leads and the fix (exit 4). In the run table the link is a save of its own,
+    judged by what it links to as any linked save is: it read "truncated or corrupt
+    torch.save file" (its model states were read through the run folder, which refuses the
+    link). `prune` never touches what it points at."""
+    from .run_fixtures import age
+
+    run = shutil.copytree(tagged_run, tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "step_2").rename(elsewhere / "step_2")
+    (run / "best").symlink_to(elsewhere / "step_2", target_is_directory=True)
+    (run / "latest").write_text("best")
+    age(run)
+    for args in (("verify", run), ("convert", run, tmp_path / "out", "--to", "safetensors")):
+        result = run_ckpt(*args)
+        assert result.exit_code == 4, result.stderr
+        said = " ".join(result.stderr.split())
+        assert "'best' is a link that points outside the checkpoint" in said, said
+        assert str(elsewhere / "step_2") in said and "cp -r" in said
+    assert not (tmp_path / "out").exists()
+    assert run_ckpt("verify", run / "best").exit_code == 0  # the save itself, named
+
+    listing = run_ckpt("latest", run, "--json").json["result"]
+    rows = {c["name"]: c for c in listing["checkpoints"]}
+    assert (rows["best"]["status"], rows["best"]["step"]) == ("complete", 2), rows["best"]
+    assert listing["latest"] == str(run / "best") and listing["tracker_problem"] is None
+    table = run_ckpt("inspect", run).stdout
+    assert "truncated or corrupt" not in table
+    assert f"-> {elsewhere / 'step_2'}" in " ".join(table.split())
+
+    (run / "latest").write_text("step_3")
+    pruned = run_ckpt("prune", run, "--keep-last", "1", "--settle", "0", "--yes", "--json")
+    assert pruned.exit_code == 0, pruned.stdout
+    actions = {d["name"]: d["action"] for d in pruned.json["result"]["decisions"]}
+    assert actions["step_3"] == "keep", actions
+    assert not (run / "step_1").exists()
+    assert (elsewhere / "step_2" / "mp_rank_00_model_states.pt").is_file()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from ...errors import NotFoundError
+from ...errors import NotFoundError, UnsafeInputError
 from ...formats.base import Checkpoint, Source
 from ...models import Entry, Problem
 from ...sizes import counted
@@ -230,12 +230,25 @@ def _leave_out_strays(
 
 def _tag_base(source: Source) -> str | None:
     """The folder (`global_stepN/`) the `latest` file names; None when `latest` is not
-    DeepSpeed's (no tag folder and no model states anywhere)."""
+    DeepSpeed's (no tag folder and no model states anywhere).
+
+    A tag that is a link to another tag folder of the checkpoint (`best -> global_step100`)
+    is that folder; one that leads out of it is refused (exit 4)."""
     # a tag name is short; never read more than a few KB of whatever `latest` holds
     size = min(source.storage.size("latest"), 4096)
     tag = source.storage.read("latest", 0, size).decode("utf-8", "replace").strip()
     tag = safe_relpath(tag, source=source.storage.describe("latest"))
-    base = f"{tag}/"
+    out = source.storage.links_out([tag])
+    if tag in out:
+        raise UnsafeInputError(
+            f"`latest` names {tag!r}, but {tag!r} is a link that points outside the checkpoint "
+            f"({out[tag]}): ckpt reads no path out of the folder it was given",
+            path=source.storage.describe(tag),
+            fix=f"Copy that save in instead of linking it (`rm {source.storage.describe(tag)} "
+            f"&& cp -r {out[tag]} {source.storage.describe(tag)}`), or point `latest` at a tag "
+            "folder inside the checkpoint.",
+        )
+    base = f"{source.storage.alias_of(tag) or tag}/"
     if not any(n.startswith(base) for n in source.files):
         if not any(_DS_MODEL.search(n) for n in source.files):
             return None  # some other tool's `latest` file
