@@ -1063,3 +1063,40 @@ def test_a_tag_linked_out_of_the_checkpoint_is_refused_naming_the_link_and_its_t
     assert actions["step_3"] == "keep", actions
     assert not (run / "step_1").exists()
     assert (elsewhere / "step_2" / "mp_rank_00_model_states.pt").is_file()
+
+
+def test_a_latest_naming_a_missing_or_cut_short_tag_names_the_saves_to_resume_from(
+    tagged_run: Path, tmp_path: Path
+) -> None:
+    """`latest` naming a tag the run lost (pruned, or a save that died before writing its
+    model states): `verify` of the run said only "missing, point at another tag", and a tag
+    holding ZeRO partitions but no model states read as a complete plain save that
+    `ckpt latest` named. The error and `ckpt latest` name the bad tag, why, the complete
+    saves and the fix."""
+    from .run_fixtures import age
+
+    for case in ("missing", "cut-short"):
+        run = shutil.copytree(tagged_run, tmp_path / case)
+        if case == "missing":
+            shutil.rmtree(run / "step_3")
+        else:
+            (run / "step_3" / "mp_rank_00_model_states.pt").unlink()
+        age(run)
+        fix = "Complete saves to resume from: step_2, step_1; point `latest` at one (`echo "
+        fix += f"step_2 > {run}/latest`)"
+        verify = run_ckpt("verify", run)
+        assert verify.exit_code == 3, (case, verify.stderr)
+        said = " ".join(verify.stderr.split())
+        assert "`latest` names 'step_3', which" in said and fix in said, said
+        latest = run_ckpt("latest", run, "--json").json["result"]
+        assert latest["latest"] == str(run / "step_2"), (case, latest)
+        assert latest["tracker_problem"].startswith("the DeepSpeed `latest` file names step_3")
+        assert fix in latest["tracker_problem"], latest["tracker_problem"]
+        shown = run_ckpt("latest", run)
+        assert shown.stdout.strip() == str(run / "step_2")
+        assert "names step_3" in shown.stderr and "echo step_2 >" in " ".join(shown.stderr.split())
+        if case == "cut-short":
+            rows = {c["name"]: c for c in latest["checkpoints"]}
+            assert rows["step_3"]["layout"] == "deepspeed"
+            assert rows["step_3"]["status"] == "incomplete"
+            assert "lacks mp_rank_00_model_states.pt" in rows["step_3"]["reason"]

@@ -685,7 +685,12 @@ def _zero_partition_problem(storage: Storage, folder: str, files: Mapping[str, i
 
     model = next((f"{folder}/{n}" for n in RANK0_MODEL_STATES if f"{folder}/{n}" in files), None)
     if model is None:
-        return None  # no model states: the component checks said what is wrong
+        if deepspeed_states_in(folder, files):
+            return None  # another rank's model states alone: the component checks judge it
+        return (
+            f"lacks {RANK0_MODEL_STATES[0]}: DeepSpeed writes the model states into every tag "
+            "and its load_checkpoint fails without them (a save cut short, or a lost file)"
+        )
     # through the save's own folder: a tag linked elsewhere is judged by what it links to,
     # as any linked save of a run is (and DeepSpeed's loader reads it)
     own = folder_storage(storage, folder, files)
