@@ -1100,3 +1100,28 @@ def test_a_latest_naming_a_missing_or_cut_short_tag_names_the_saves_to_resume_fr
             assert rows["step_3"]["layout"] == "deepspeed"
             assert rows["step_3"]["status"] == "incomplete"
             assert "lacks mp_rank_00_model_states.pt" in rows["step_3"]["reason"]
+
+
+@pytest.mark.slow
+def test_a_pushed_run_whose_latest_names_an_alias_names_the_saved_tag(
+    tagged_run: Path, tmp_path: Path, s3_server: Any
+) -> None:
+    """`sync` uploads a linked tag's target under its own name, not the link: the `latest`
+    naming the link (`best`) was uploaded as it was, naming a folder the store did not hold,
+    so a pull kept no `latest` and DeepSpeed resumed nothing from the copy."""
+    from .run_fixtures import age
+    from .s3_fixtures import make_bucket
+
+    make_bucket(s3_server.endpoint, "ckpts")
+    run = shutil.copytree(tagged_run, tmp_path / "run")
+    (run / "best").symlink_to("step_2", target_is_directory=True)
+    (run / "latest").write_text("best")
+    age(run)
+    pushed = run_ckpt("sync", run, "s3://ckpts/run/")
+    assert pushed.exit_code == 0, pushed.stderr
+    back = tmp_path / "back"
+    pulled = run_ckpt("sync", "s3://ckpts/run/", back, "--json")
+    assert pulled.exit_code == 0, pulled.stdout
+    assert (back / "latest").read_text() == "step_2"
+    assert not (back / "best").exists()
+    assert run_ckpt("verify", back).exit_code == 0
