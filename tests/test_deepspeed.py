@@ -977,3 +977,151 @@ def test_saves_made_without_a_latest_file_are_complete_and_the_newest_is_named(
     assert status["global_step3"] == "incomplete" and status["global_step2"] == "complete"
     assert listing["latest"] == str(run / "global_step2")
     assert "no `latest` file" not in run_ckpt("latest", run).stderr
+
+
+def test_a_tag_linked_to_another_tag_reads_as_that_tag_and_prune_keeps_both(
+    tagged_run: Path, tmp_path: Path
+) -> None:
+    """`ln -s step_2 best` and `latest` naming `best` (DeepSpeed's load_checkpoint follows the
+    link): `verify` and `convert` of the run folder said `latest` named a missing tag (exit
+    3). The link is another name of the save inside the checkpoint: read as that tag, shown as
+    its alias, kept by `prune` with its target, and never deleted through."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from .run_fixtures import age
+
+    run = shutil.copytree(tagged_run, tmp_path / "run")
+    (run / "best").symlink_to("step_2", target_is_directory=True)
+    (run / "latest").write_text("best")
+    age(run)
+    verify = run_ckpt("verify", run, "--json")
+    assert verify.exit_code == 0, verify.stdout + verify.stderr
+    assert verify.json["result"]["location"] == str(run)
+    out = tmp_path / "weights.safetensors"
+    converted = run_ckpt("convert", run, out, "--to", "safetensors", "--select", "model")
+    assert converted.exit_code == 0, converted.stderr
+    expected = get_fp32_state_dict_from_zero_checkpoint(str(run))  # DeepSpeed follows `latest`
+    got = load_file(out)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v.contiguous()) for k, v in expected.items())
+
+    table = run_ckpt("inspect", run)
+    best = next(line for line in table.stdout.splitlines() if line.startswith("best"))
+    assert "alias of step_2" in best and "deepspeed-latest" in best, table.stdout
+    listing = run_ckpt("latest", run, "--json").json["result"]
+    rows = {c["name"]: c for c in listing["checkpoints"]}
+    assert rows["best"]["status"] == "complete" and rows["best"]["step"] == 2
+    assert "link-target" in rows["step_2"]["markers"]
+
+    plan = run_ckpt("prune", run, "--keep-last", "1", "--settle", "0", "--yes", "--json")
+    assert plan.exit_code == 0, plan.stdout
+    actions = {d["name"]: d["action"] for d in plan.json["result"]["decisions"]}
+    assert actions["best"] == "keep" and actions["step_2"] == "keep", actions
+    assert (run / "best").is_symlink() and (run / "step_2" / "mp_rank_00_model_states.pt").exists()
+    assert run_ckpt("verify", run).exit_code == 0
+
+
+def test_a_tag_linked_out_of_the_checkpoint_is_refused_naming_the_link_and_its_target(
+    tagged_run: Path, tmp_path: Path
+) -> None:
+    """`latest` naming `best`, a link to a save outside the run folder. Opened through `latest`
+    (the run folder is the checkpoint) nothing is read through the link: the refusal names the
+    link, where it leads and the fix (exit 4). In the run table the link is a save of its own,
+    judged by what it links to as any linked save is: it read "truncated or corrupt
+    torch.save file" (its model states were read through the run folder, which refuses the
+    link). `prune` never touches what it points at."""
+    from .run_fixtures import age
+
+    run = shutil.copytree(tagged_run, tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "step_2").rename(elsewhere / "step_2")
+    (run / "best").symlink_to(elsewhere / "step_2", target_is_directory=True)
+    (run / "latest").write_text("best")
+    age(run)
+    for args in (("verify", run), ("convert", run, tmp_path / "out", "--to", "safetensors")):
+        result = run_ckpt(*args)
+        assert result.exit_code == 4, result.stderr
+        said = " ".join(result.stderr.split())
+        assert "'best' is a link that points outside the checkpoint" in said, said
+        assert str(elsewhere / "step_2") in said and "cp -r" in said
+    assert not (tmp_path / "out").exists()
+    assert run_ckpt("verify", run / "best").exit_code == 0  # the save itself, named
+
+    listing = run_ckpt("latest", run, "--json").json["result"]
+    rows = {c["name"]: c for c in listing["checkpoints"]}
+    assert (rows["best"]["status"], rows["best"]["step"]) == ("complete", 2), rows["best"]
+    assert listing["latest"] == str(run / "best") and listing["tracker_problem"] is None
+    table = run_ckpt("inspect", run).stdout
+    assert "truncated or corrupt" not in table
+    assert f"-> {elsewhere / 'step_2'}" in " ".join(table.split())
+
+    (run / "latest").write_text("step_3")
+    pruned = run_ckpt("prune", run, "--keep-last", "1", "--settle", "0", "--yes", "--json")
+    assert pruned.exit_code == 0, pruned.stdout
+    actions = {d["name"]: d["action"] for d in pruned.json["result"]["decisions"]}
+    assert actions["step_3"] == "keep", actions
+    assert not (run / "step_1").exists()
+    assert (elsewhere / "step_2" / "mp_rank_00_model_states.pt").is_file()
+
+
+def test_a_latest_naming_a_missing_or_cut_short_tag_names_the_saves_to_resume_from(
+    tagged_run: Path, tmp_path: Path
+) -> None:
+    """`latest` naming a tag the run lost (pruned, or a save that died before writing its
+    model states): `verify` of the run said only "missing, point at another tag", and a tag
+    holding ZeRO partitions but no model states read as a complete plain save that
+    `ckpt latest` named. The error and `ckpt latest` name the bad tag, why, the complete
+    saves and the fix."""
+    from .run_fixtures import age
+
+    for case in ("missing", "cut-short"):
+        run = shutil.copytree(tagged_run, tmp_path / case)
+        if case == "missing":
+            shutil.rmtree(run / "step_3")
+        else:
+            (run / "step_3" / "mp_rank_00_model_states.pt").unlink()
+        age(run)
+        fix = "Complete saves to resume from: step_2, step_1; point `latest` at one (`echo "
+        fix += f"step_2 > {run}/latest`)"
+        verify = run_ckpt("verify", run)
+        assert verify.exit_code == 3, (case, verify.stderr)
+        said = " ".join(verify.stderr.split())
+        assert "`latest` names 'step_3', which" in said and fix in said, said
+        latest = run_ckpt("latest", run, "--json").json["result"]
+        assert latest["latest"] == str(run / "step_2"), (case, latest)
+        assert latest["tracker_problem"].startswith("the DeepSpeed `latest` file names step_3")
+        assert fix in latest["tracker_problem"], latest["tracker_problem"]
+        shown = run_ckpt("latest", run)
+        assert shown.stdout.strip() == str(run / "step_2")
+        assert "names step_3" in shown.stderr and "echo step_2 >" in " ".join(shown.stderr.split())
+        if case == "cut-short":
+            rows = {c["name"]: c for c in latest["checkpoints"]}
+            assert rows["step_3"]["layout"] == "deepspeed"
+            assert rows["step_3"]["status"] == "incomplete"
+            assert "lacks mp_rank_00_model_states.pt" in rows["step_3"]["reason"]
+
+
+@pytest.mark.slow
+def test_a_pushed_run_whose_latest_names_an_alias_names_the_saved_tag(
+    tagged_run: Path, tmp_path: Path, s3_server: Any
+) -> None:
+    """`sync` uploads a linked tag's target under its own name, not the link: the `latest`
+    naming the link (`best`) was uploaded as it was, naming a folder the store did not hold,
+    so a pull kept no `latest` and DeepSpeed resumed nothing from the copy."""
+    from .run_fixtures import age
+    from .s3_fixtures import make_bucket
+
+    make_bucket(s3_server.endpoint, "ckpts")
+    run = shutil.copytree(tagged_run, tmp_path / "run")
+    (run / "best").symlink_to("step_2", target_is_directory=True)
+    (run / "latest").write_text("best")
+    age(run)
+    pushed = run_ckpt("sync", run, "s3://ckpts/run/")
+    assert pushed.exit_code == 0, pushed.stderr
+    back = tmp_path / "back"
+    pulled = run_ckpt("sync", "s3://ckpts/run/", back, "--json")
+    assert pulled.exit_code == 0, pulled.stdout
+    assert (back / "latest").read_text() == "step_2"
+    assert not (back / "best").exists()
+    assert run_ckpt("verify", back).exit_code == 0

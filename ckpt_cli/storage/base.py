@@ -278,6 +278,14 @@ class Storage(ABC):
         have links; every other storage has none."""
         return {}
 
+    def alias_of(self, rel: str) -> str | None:
+        """The folder `rel` stands for when it is a link to another folder inside the
+        checkpoint (`best -> global_step100`, as users make them): that folder's path,
+        relative to the root; None when `rel` is no link, or leads out of the checkpoint
+        (`links_out`) or to nothing. Only local folders have links; every other storage has
+        none."""
+        return None
+
     def broken_links(self) -> dict[str, str]:
         """The top-level names that are links to nothing (name -> where they lead): a Hugging
         Face cache snapshot whose blobs were removed. The listing leaves them out, having no

@@ -193,6 +193,15 @@ class LocalStorage(Storage):
                 out[rel] = real
         return out
 
+    def alias_of(self, rel: str) -> str | None:
+        full = self.root / rel
+        if not os.path.islink(full) or not os.path.isdir(full):
+            return None
+        real = os.path.realpath(full)
+        if not real.startswith(self._real_root + os.sep):
+            return None  # out of the checkpoint (`links_out`), or the root itself
+        return os.path.relpath(real, self._real_root).replace(os.sep, "/")
+
     def list_files(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for dirpath, dirs, files in os.walk(self.root):

@@ -50,7 +50,9 @@ def render_run(report: RunReport) -> None:
         if c.metric is not None and report.best is not None:
             notes.append(f"{report.best.metric}={c.metric:g}")
         if c.symlink:
-            notes.append(f"-> {c.link_target}")
+            # a link to a sibling save (`best -> global_step100`) is another name of it
+            sibling = c.complete and c.link_target is not None and "/" not in c.link_target
+            notes.append(f"alias of {c.link_target}" if sibling else f"-> {c.link_target}")
         if c.reason:
             notes.append(c.reason)
         table.add_row(

@@ -617,10 +617,27 @@ class _Uploader:
             path = self.run_root / name
             if path.is_file() and path.stat().st_size <= 16 << 20:
                 data = path.read_bytes()
+                if name == "latest":
+                    data = _unaliased_latest(self.run_root, data)
                 existing = self.listing().get(name)
                 if existing is not None and remote_etag(existing) == self._put_etag(data):
                     continue
                 self._put(name, data)
+
+
+def _unaliased_latest(run_root: Path, data: bytes) -> bytes:
+    """A DeepSpeed `latest` as uploaded: naming a tag that is a link to another tag folder
+    of the run (`best -> global_step100`), the folder it stands for. A link is not uploaded
+    (its target is, under its own name), and a `latest` naming it would send a resume from
+    the copy to a folder the store does not hold."""
+    from ...sources.runs.naming import deepspeed_tag
+    from ...storage.local import LocalStorage
+
+    tag = deepspeed_tag(data.decode(errors="replace"))
+    alias = LocalStorage(run_root).alias_of(tag) if tag is not None else None
+    if alias is None or "/" in alias:
+        return data
+    return alias.encode()
 
 
 #: what `SYNC_RECORD` says, for whoever finds it in a bucket

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from ...errors import NotFoundError
+from ...errors import CkptError, NotFoundError, UnsafeInputError
 from ...formats.base import Checkpoint, Source
 from ...models import Entry, Problem
 from ...sizes import counted
@@ -230,23 +230,52 @@ def _leave_out_strays(
 
 def _tag_base(source: Source) -> str | None:
     """The folder (`global_stepN/`) the `latest` file names; None when `latest` is not
-    DeepSpeed's (no tag folder and no model states anywhere)."""
+    DeepSpeed's (no tag folder and no model states anywhere).
+
+    A tag that is a link to another tag folder of the checkpoint (`best -> global_step100`)
+    is that folder; one that leads out of it is refused (exit 4), and one missing or without
+    model states is an error naming the tags a resume can take instead (exit 3)."""
     # a tag name is short; never read more than a few KB of whatever `latest` holds
     size = min(source.storage.size("latest"), 4096)
     tag = source.storage.read("latest", 0, size).decode("utf-8", "replace").strip()
     tag = safe_relpath(tag, source=source.storage.describe("latest"))
-    base = f"{tag}/"
-    if not any(n.startswith(base) for n in source.files):
-        if not any(_DS_MODEL.search(n) for n in source.files):
-            return None  # some other tool's `latest` file
-        # a tag folder linked from outside is not listed: it is refused, not missing
-        source.storage.local_path(tag)
-        raise NotFoundError(
-            f"`latest` names {tag!r}, which is missing",
-            path=source.storage.describe("latest"),
-            fix="The save was interrupted or the folder was pruned; point at another tag.",
+    out = source.storage.links_out([tag])
+    if tag in out:
+        raise UnsafeInputError(
+            f"`latest` names {tag!r}, but {tag!r} is a link that points outside the checkpoint "
+            f"({out[tag]}): ckpt reads no path out of the folder it was given",
+            path=source.storage.describe(tag),
+            fix=f"Copy that save in instead of linking it (`rm {source.storage.describe(tag)} "
+            f"&& cp -r {out[tag]} {source.storage.describe(tag)}`), or point `latest` at a tag "
+            "folder inside the checkpoint.",
         )
-    return base
+    base = f"{source.storage.alias_of(tag) or tag}/"
+    inside = [n for n in source.files if n.startswith(base)]
+    if inside and any(_DS_MODEL.search(n) for n in inside):
+        return base
+    if not any(_DS_MODEL.search(n) for n in source.files):
+        return None  # some other tool's `latest` file
+    # a tag folder linked from outside is not listed: it is refused, not missing
+    source.storage.local_path(tag)
+    why = "which is missing" if not inside else "which holds no model states (a save cut short?)"
+    raise NotFoundError(
+        f"`latest` names {tag!r}, {why}",
+        path=source.storage.describe("latest"),
+        fix=_resume_instead(source, tag),
+    )
+
+
+def _resume_instead(source: Source, tag: str) -> str:
+    """The fix for a `latest` naming `tag`, which is no whole save: the complete saves of the
+    folder (judged as `ckpt latest` judges them) and how to resume from one."""
+    from ..runs import scan_run
+    from ..runs.scan import resume_instead
+
+    try:
+        report = scan_run(source)
+    except CkptError:
+        return "The save was interrupted or the folder was pruned; point `latest` at another tag."
+    return f"{resume_instead(report, tag)}."
 
 
 def _prefixes(checkpoint: Checkpoint, components: list[str], rebuilt: bool) -> dict[str, str]:

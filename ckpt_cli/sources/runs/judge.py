@@ -685,9 +685,18 @@ def _zero_partition_problem(storage: Storage, folder: str, files: Mapping[str, i
 
     model = next((f"{folder}/{n}" for n in RANK0_MODEL_STATES if f"{folder}/{n}" in files), None)
     if model is None:
-        return None  # no model states: the component checks said what is wrong
+        if deepspeed_states_in(folder, files):
+            return None  # another rank's model states alone: the component checks judge it
+        return (
+            f"lacks {RANK0_MODEL_STATES[0]}: DeepSpeed writes the model states into every tag "
+            "and its load_checkpoint fails without them (a save cut short, or a lost file)"
+        )
+    # through the save's own folder: a tag linked elsewhere is judged by what it links to,
+    # as any linked save of a run is (and DeepSpeed's loader reads it)
+    own = folder_storage(storage, folder, files)
+    keys = frozenset({"dp_world_size", "mp_world_size"})
     try:
-        sizes = model_states_ints(storage, model, frozenset({"dp_world_size", "mp_world_size"}))
+        sizes = model_states_ints(own, model[len(folder) + 1 :], keys)
     except (zipfile.BadZipFile, OSError, CkptError) as exc:
         no_verdict(exc)  # the store or the OS refused: no verdict on the file
         return f"{storage.describe(model)}: truncated or corrupt torch.save file ({exc})"
@@ -841,8 +850,9 @@ def deepspeed_states_step(storage: Storage, tag: str, files: Mapping[str, int]) 
     states = deepspeed_states_in(tag, files)
     if not states:
         return None
+    own = folder_storage(storage, tag, files)  # a linked tag: what it links to
     try:
-        return model_states_ints(storage, states[0], frozenset({"global_steps"})).get(
+        return model_states_ints(own, states[0][len(tag) + 1 :], frozenset({"global_steps"})).get(
             "global_steps"
         )
     except (zipfile.BadZipFile, OSError, CkptError) as exc:

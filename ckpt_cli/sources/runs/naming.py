@@ -458,6 +458,25 @@ def holds_deepspeed_states(folder: str, files: Iterable[str]) -> bool:
     return bool(deepspeed_states_in(folder, files))
 
 
+#: a ZeRO partition DeepSpeed writes into a tag folder beside its model states
+_ZERO_PARTITION = re.compile(r"(?:\w+_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt")
+
+
+def holds_deepspeed_save(folder: str, files: Iterable[str]) -> bool:
+    """Whether `folder` of a run is a DeepSpeed tag folder, whole or not: its model states
+    (`holds_deepspeed_states`), or ZeRO partitions without them (a save cut short, or that
+    lost rank 0's file: judged as DeepSpeed's, never as a plain save that looks whole)."""
+    inside = f"{folder}/"
+    return any(
+        rel.startswith(inside)
+        and (
+            _DEEPSPEED_MODEL_STATES.fullmatch(rel[len(inside) :])
+            or _ZERO_PARTITION.fullmatch(rel[len(inside) :])
+        )
+        for rel in files
+    )
+
+
 #: the files only accelerate's `save_state` writes into every save (each process's RNG
 #: states), and those only the Trainer writes (its own marker, optimizer, scheduler, RNG states)
 _ACCELERATE_RNG = re.compile(r"random_states_\d+\.pkl")
@@ -525,7 +544,7 @@ def by_content(item: Found, files: Iterable[str]) -> Found:
     if item.layout == "hf-trainer" and _holds_accelerate_state(item.rels[0], files):
         return dataclasses.replace(item, layout="accelerate")
     if item.layout == "plain":
-        if holds_deepspeed_states(item.rels[0], files):
+        if holds_deepspeed_save(item.rels[0], files):
             return dataclasses.replace(item, layout="deepspeed")
         return item
     if item.layout not in _DCP_STEP_LAYOUTS or holds_dcp(files):

@@ -189,7 +189,9 @@ class RunReport(Record):
             (`iter_0000200`, or `release`): the save its `load_checkpoint` resumes from.
         tracker_problem: why Megatron-LM would not resume from the save `latest` names (its
             `latest_checkpointed_iteration.txt` missing, unreadable as an iteration, or naming
-            a save the run lacks or holds incomplete), with the fix; None when it would.
+            a save the run lacks or holds incomplete), or DeepSpeed from the tag its `latest`
+            file names (one the run lacks or holds incomplete: the complete saves named), with
+            the fix; None when it would.
         best: best-by-metric, when a metric was asked for.
         settle: the settle window used (seconds).
         root_files: checkpoint files directly in the run folder that belong to no step

@@ -209,6 +209,8 @@ def scan(
     if any(c.layout == MEGATRON for c in checkpoints):
         present = run.top_entries().get(MEGATRON_TRACKER) is False
         report.tracker_problem = _tracker_problem(present, megatron_latest, report)
+    if ds_latest and report.tracker_problem is None:
+        report.tracker_problem = deepspeed_latest_problem(ds_latest, report)
     run.mark_links(checkpoints)
     state = newest_trainer_state(run.storage, checkpoints)
     trainer_doc = None
@@ -320,6 +322,53 @@ def _tracker_problem(present: bool, named: tuple[int, str] | None, report: RunRe
             f"({chosen.reason}): Megatron-LM's load_checkpoint fails on it; {fix}"
         )
     return None
+
+
+def deepspeed_latest_problem(tag: str, report: RunReport) -> str | None:
+    """Why DeepSpeed would not resume from the tag its `latest` file names: the run folder
+    lacks it, or holds it incomplete; with the saves it can resume from instead and the fix
+    (the file rewritten, or `tag=`). None when the tag is whole, or was not judged (older than
+    the newest complete save, when judging stopped there)."""
+    top = report.top_entries
+    chosen = next((c for c in report.checkpoints if _base_name(c.name) == tag), None)
+    if chosen is None and tag in top:
+        return None
+    if chosen is not None and chosen.complete:
+        return None
+    if chosen is None:
+        why = "which this run folder does not hold"
+    elif chosen.symlink and chosen.status == "incomplete" and chosen.link_target is not None:
+        # DeepSpeed follows the link; ckpt reads nothing out of the run, so vouches for nothing
+        why = f"which is not checked ({chosen.reason})"
+        return (
+            f"the DeepSpeed `latest` file names {tag}, {why}: {resume_instead(report, tag, False)}"
+        )
+    else:
+        why = f"which is {chosen.status} ({chosen.reason})"
+    return f"the DeepSpeed `latest` file names {tag}, {why}: {resume_instead(report, tag)}"
+
+
+def resume_instead(report: RunReport, bad: str, fails: bool = True) -> str:
+    """What DeepSpeed's `load_checkpoint(dir)` does with a `latest` naming `bad` (`fails`: it
+    fails on it), the tags of `report` it can resume from instead (newest first) and the fix."""
+    valid = [
+        c.name
+        for c in sorted(report.checkpoints, key=lambda c: (c.order, c.name), reverse=True)
+        if c.complete and c.layout == "deepspeed" and "/" not in c.name and c.name != bad
+    ]
+    if not valid:
+        return (
+            ("DeepSpeed's load_checkpoint(dir) fails on it, and " if fails else "")
+            + "the run folder holds no complete DeepSpeed save to resume from instead; restore "
+            "the save or train from scratch"
+        )
+    latest_file = f"{report.run_dir.rstrip('/')}/latest"
+    lead = "DeepSpeed's load_checkpoint(dir) fails on it. " if fails else ""
+    return (
+        f"{lead}Complete saves to resume from: "
+        f"{', '.join(valid)}; point `latest` at one (`echo {valid[0]} > {latest_file}`), or "
+        f"pass it: load_checkpoint(dir, tag='{valid[0]}')"
+    )
 
 
 def _megatron_release(
