@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ...budgets import json_record_over_budget
 from ...errors import CkptError
-from ...formats.base import Checkpoint
+from ...formats.base import Checkpoint, Source
+from ...formats.names import RESHARD_RECORD
 from ...models import Entry, Manifest, OptimizerState, Problem, ProblemList, TrainingState
 from .base import REQUIRED, OpenedSource, top_keys
 from .ranks import RANK_RNG_CODES
@@ -523,6 +526,10 @@ def verdict(state: TrainingState) -> None:
         extra.append("rng")
     if not state.dataloader or state.dataloader.get("kind") in _NOT_REPLAYED:
         extra.append("dataloader")
+    if state.resharded is not None:
+        extra.append(
+            f"the world size it was saved at ({state.resharded['saved_world_size'] or '?'})"
+        )
     state.missing = missing
     state.resumable = not missing
     state.missing_exact = extra
@@ -668,6 +675,23 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
                     "holds it.",
                 )
             )
+    if state.resharded is not None:
+        # 0: a record that could not be read (the world sizes are unknown, the cut is not)
+        was = state.resharded["saved_world_size"] or "?"
+        now = state.resharded["world_size"] or "?"
+        problems.append(
+            Problem(
+                code="resharded_world_size",
+                message=f"{where}: `ckpt reshard` cut it from the {was} rank(s) the run saved "
+                f"it at for {now} ({RESHARD_RECORD}): every rank reads another shard of the data "
+                "and draws from another RNG stream than the saved run did; resumable, but not "
+                "exactly",
+                file=where,
+                severity="error" if exact else "warning",
+                fix=f"For an exact resume, resume on {was} rank(s) from the save the run "
+                "wrote; a resume on another world size is never bit-identical.",
+            )
+        )
     opt = state.optimizer
     if opt is not None and not opt.complete:
         covers = (
@@ -940,6 +964,28 @@ def _pair_shape_problems(
     return problems
 
 
+def resharded(source: Source, rel: str) -> dict[str, int] | None:
+    """What the `ckpt-reshard.json` at `rel` of `source` says (`TrainingState.resharded`), or
+    None where there is none. A record that cannot be read still says the folder was
+    resharded: its world sizes are then 0 (unknown)."""
+    if rel not in source.files:
+        return None
+    size = source.files.get(rel) or 0
+    unknown = {"saved_world_size": 0, "world_size": 0}
+    if json_record_over_budget(size) is not None:
+        return unknown
+    try:
+        record = json.loads(source.storage.read_all(rel))
+    except (ValueError, OSError):
+        return unknown
+    if not isinstance(record, dict):
+        return unknown
+    out = {k: record.get(k) for k in unknown}
+    if not all(type(v) is int and v > 0 for v in out.values()):
+        return unknown
+    return {k: int(v) for k, v in out.items() if isinstance(v, int)}
+
+
 def finish(
     checkpoint: Checkpoint, state: TrainingState, folder: Folder | None = None
 ) -> OpenedSource:
@@ -948,6 +994,7 @@ def finish(
     save not resumable, a rank's lost RNG states not exactly."""
     if folder is not None:
         state.unreadable = dict(folder.unreadable)
+        state.resharded = resharded(folder.source, folder.rel(RESHARD_RECORD))
         # a rank's RNG file the save before held (`ranks_lost_since`) was lost, not perhaps on
         # another node's disk: one problem for the file, the certain one
         certain = {p.file for p in folder.problems if p.code == "missing_rank_rng"}
