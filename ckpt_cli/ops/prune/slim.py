@@ -165,6 +165,11 @@ def slim_plan(path: str | Path) -> SlimAction | str:
             files: list[str] = []
             size = 0
             owner: dict[str, str] = {}  # each component file -> its component
+            weights = {  # components holding tensors: a model a save hook wrote (`unet`)...
+                name
+                for name, component in checkpoint.components.items()
+                if any(e.kind == "tensor" for e in component.manifest.entries)
+            }
             for name, component in checkpoint.components.items():
                 for info in component.manifest.files:
                     rel = _relative(target, component, info.path)
@@ -207,7 +212,7 @@ def slim_plan(path: str | Path) -> SlimAction | str:
                 files=files,
                 bytes=size,
                 kept=kept,
-                listing=_listing(target, files, owner),
+                listing=_listing(target, files, owner, weights),
             )
         fmt = find_format(checkpoint.manifest.format)
         if target.is_dir() and fmt is not None and fmt.holds_objects and not fmt.folder:
@@ -234,9 +239,12 @@ def slim_plan(path: str | Path) -> SlimAction | str:
         )
 
 
-def _listing(root: Path, removed: list[str], owner: dict[str, str]) -> list[SlimFile]:
+def _listing(
+    root: Path, removed: list[str], owner: dict[str, str], weights: set[str]
+) -> list[SlimFile]:
     """Every file of the checkpoint folder `root` (hidden ones and ckpt's own records aside),
-    removed or kept, with why; `owner` names each component file's component."""
+    removed or kept, with why; `owner` names each component file's component, `weights` the
+    components that hold tensors."""
     out = [SlimFile(path=rel, removed=True, why=REMOVED_WHY[_stem(owner[rel])]) for rel in removed]
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
@@ -249,7 +257,9 @@ def _listing(root: Path, removed: list[str], owner: dict[str, str]) -> list[Slim
             why = _OTHER_WHY
         elif _stem(comp) in _KEPT_WHY:
             why = _KEPT_WHY[_stem(comp)]
-        else:  # a model a save hook wrote (`unet`), a ZeRO partition holding the weights...
+        elif comp in weights:  # a model a save hook wrote (`unet`, `lora`)
+            why = f"the weights of {comp}"
+        else:
             why = f"the component {comp}: {_OTHER_WHY.partition(': ')[2]}"
         out.append(SlimFile(path=rel, removed=False, why=why))
     return out
