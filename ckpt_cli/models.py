@@ -692,6 +692,9 @@ class TrainingState(Record):
             are saved too (implies `resumable`).
         missing_exact: what `exact` lacks beyond `resumable` (`scheduler`, `step`, `rng`,
             `dataloader`).
+        resharded: `saved_world_size` (what the run saved it at) and `world_size` (what it is
+            laid out for now) of a folder `ckpt reshard --world-size` cut for another world
+            size (its `ckpt-reshard.json`), else None: never exact.
     """
 
     layout: str
@@ -712,3 +715,4 @@ class TrainingState(Record):
     missing: list[str] = Field(default_factory=list)
     exact: bool = False
     missing_exact: list[str] = Field(default_factory=list)
+    resharded: dict[str, int] | None = None

@@ -312,6 +312,12 @@ CODES: dict[str, Code] = _codes(
     Code("missing_weights", _EW, "no model weights"),
     Code("not_resumable", _E, "no training state at all (weights only)"),
     Code(
+        "resharded_world_size",
+        _EW,
+        "a training folder `ckpt reshard --world-size` cut for another world size: it "
+        "resumes, never bit-identically (an error with `--exact`)",
+    ),
+    Code(
         "one_rank_folder",
         _W,
         "one rank folder of a legacy Megatron-LM save named alone (`iter_N/mp_rank_00/`): "

@@ -30,6 +30,10 @@ TORCH_INDEX_SUFFIX = TORCH_BIN_SUFFIX + INDEX_SUFFIX
 #: written into a checkpoint folder that `ckpt prune --slim-older-than` slimmed to its weights:
 #: the save holds no optimizer or RNG state on purpose, and every training layout says so
 SLIM_RECORD = "ckpt-slim.json"
+#: written into a training folder `ckpt reshard --world-size` cut for another world size: the
+#: world size the run saved it at and the one it is laid out for now (a resume at the new one
+#: is never bit-identical: every rank reads another shard of the data, another RNG stream)
+RESHARD_RECORD = "ckpt-reshard.json"
 #: the stem diffusers saves and loads a model's weights under
 #: (`diffusion_pytorch_model.safetensors`, `diffusion_pytorch_model.safetensors.index.json`)
 DIFFUSERS_WEIGHTS_STEM = "diffusion_pytorch_model"

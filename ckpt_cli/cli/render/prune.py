@@ -131,6 +131,22 @@ def render_prune(report: PruneReport, *, dry_run: bool = False) -> None:
     stdout.print(f"[bold]{report.run_dir}[/]", soft_wrap=True)
     if report.decisions:
         stdout.print(table)
+    for d in report.decisions:  # every file a slim removes or keeps, with why
+        if d.action != "slim" or d.slim is None:
+            continue
+        finished = report.applied and d.deleted
+        for f in d.slim.listing:
+            verb = (
+                ("removed" if finished else "removes")
+                if f.removed
+                else ("kept" if finished else "keeps")
+            )
+            stdout.print(
+                f"  {d.name}: {verb} {f.path} ({f.why})",
+                soft_wrap=True,
+                markup=False,
+                highlight=False,
+            )
     for why in report.left_out:
         stdout.print(f"left out: {why}", soft_wrap=True, markup=False, highlight=False)
     if report.applied:

@@ -2,8 +2,9 @@
 
 Optimizer state is several times the size of the weights, and an old save of a run is
 rarely resumed from; it is kept for evaluation or export. `slim_plan` finds what of one
-checkpoint is training-only state: the optimizer, RNG and data-loader (sampler) state, from
-the training-state analysis of `layouts` (headers only). `slim` then removes it:
+checkpoint is training-only state: the optimizer, RNG, data-loader (sampler) and gradient-scaler
+state, from the training-state analysis of `layouts` (headers only), by one rule for every
+layout; a folder's plan lists every one of its files, removed or kept, with why. `slim` then removes it:
 
 * a folder of component files (Trainer `checkpoint-N/`, accelerate, DeepSpeed): the component
   files are deleted (each renamed to a hidden `.NAME.ckpt-tmp-del-*` name first);
@@ -15,7 +16,9 @@ the training-state analysis of `layouts` (headers only). `slim` then removes it:
   last.
 
 The scheduler, the step counter and the configuration stay: they are small and say where the
-weights came from. A slimmed save records itself (`ckpt-slim.json` inside a folder, the run
+weights came from (a Trainer's `scheduler.pt` and `trainer_state.json`, accelerate's
+`scheduler.bin`); so does accelerate's registered objects' state (`custom_checkpoint_N.pkl`),
+the script's own, which may be an EMA of the weights. A slimmed save records itself (`ckpt-slim.json` inside a folder, the run
 folder's `.ckpt-slim.json` for single files, keyed by name with its size and mtime so a new
 save under the same name is not mistaken for it); `ckpt_cli.sources.runs` reads the record so that
 `ckpt latest` never offers a slimmed save as a resume point.
@@ -51,8 +54,31 @@ from ...storage.output import TMP_MARKER, fsync_dir, publish
 if TYPE_CHECKING:
     from ..parity import ParityManifest
 
-#: training-only components removed by slimming
-DROPPED = ("optimizer", "rng", "dataloader", "sampler")
+#: training-only components removed by slimming, each with why (the same for every layout)
+REMOVED_WHY = {
+    "optimizer": "the optimizer's state: only a resume reads it",
+    "rng": "RNG states: only a resume reads them",
+    "dataloader": "the data loader's position: only a resume reads it",
+    "sampler": "the data sampler's state: only a resume reads it",
+    "scaler": "the gradient scaler's loss scale (fp16): only a resume reads it",
+}
+DROPPED = tuple(REMOVED_WHY)
+
+#: why slimming keeps a component's files, by component (numbered ones by their stem)
+_KEPT_WHY = {
+    "model": "the model's weights",
+    "scheduler": "the LR scheduler's state: small, it says where in the schedule the weights "
+    "were saved (slimming keeps the scheduler, step and configuration in every layout)",
+    "trainer_state": "the step and log history: small, it says where the weights came from",
+    "custom": "a registered object's state (accelerate's register_for_checkpointing): the "
+    "script's own, perhaps an EMA of the weights or its step counter, which ckpt cannot tell "
+    "apart, so it stays",
+}
+#: why slimming keeps a file no component names
+_OTHER_WHY = (
+    "not resume state (configuration, tokenizer, the script's own files): slimming removes only "
+    "optimizer, RNG, data-loader and gradient-scaler state"
+)
 
 
 def is_dropped(component: str) -> bool:
@@ -60,7 +86,26 @@ def is_dropped(component: str) -> bool:
     rank (`optimizer_1`, `rng_3`, `optimizer_0_rank1`): a multi-model or multi-rank save
     kept its second optimizer and every rank's RNG but the first while the plan said "drop
     optimizer, rng"."""
-    return re.sub(r"(_rank\d+|_\d+)+$", "", component) in DROPPED
+    return _stem(component) in DROPPED
+
+
+def _stem(component: str) -> str:
+    """A component without its model or rank number (`optimizer_1` -> `optimizer`)."""
+    return re.sub(r"(_rank\d+|_\d+)+$", "", component)
+
+
+class SlimFile(Record):
+    """One file of a checkpoint slimming removes files from, and what becomes of it.
+
+    Attributes:
+        path: the file, relative to the checkpoint folder.
+        removed: whether slimming removes it (else it is kept).
+        why: the reason, in a few words.
+    """
+
+    path: str
+    removed: bool
+    why: str
 
 
 class SlimAction(Record):
@@ -78,6 +123,8 @@ class SlimAction(Record):
             until it is done, then the measured difference).
         kept: resume state slimming leaves, each with why (a DeepSpeed save's optimizer, in
             ZeRO partitions that hold the fp32 weights too).
+        listing: for `remove`: every file of the checkpoint folder, removed or kept, each with
+            why (nothing leaves unnamed, nothing stays unexplained).
     """
 
     how: Literal["remove", "rewrite"]
@@ -88,6 +135,7 @@ class SlimAction(Record):
     prefixes: list[str] = Field(default_factory=list)
     bytes: int = 0
     kept: list[str] = Field(default_factory=list)
+    listing: list[SlimFile] = Field(default_factory=list)
 
 
 def slim_plan(path: str | Path) -> SlimAction | str:
@@ -116,14 +164,23 @@ def slim_plan(path: str | Path) -> SlimAction | str:
         if isinstance(checkpoint, CompositeCheckpoint):
             files: list[str] = []
             size = 0
+            owner: dict[str, str] = {}  # each component file -> its component
+            weights = {  # components holding tensors: a model a save hook wrote (`unet`)...
+                name
+                for name, component in checkpoint.components.items()
+                if any(e.kind == "tensor" for e in component.manifest.entries)
+            }
             for name, component in checkpoint.components.items():
-                if name not in dropped:
-                    continue
                 for info in component.manifest.files:
                     rel = _relative(target, component, info.path)
-                    if rel is not None and rel not in files:
+                    if rel is None:
+                        continue
+                    owner.setdefault(rel, name)
+                    if name in dropped and rel not in files:
                         files.append(rel)
                         size += (target / rel).stat().st_size
+            for name, rel in opened.listed_parts.items():
+                owner.setdefault(rel, name)
             for name, rel in opened.listed_parts.items():
                 if name in dropped and rel not in files and (target / rel).is_file():
                     files.append(rel)
@@ -155,6 +212,7 @@ def slim_plan(path: str | Path) -> SlimAction | str:
                 files=files,
                 bytes=size,
                 kept=kept,
+                listing=_listing(target, files, owner, weights),
             )
         fmt = find_format(checkpoint.manifest.format)
         if target.is_dir() and fmt is not None and fmt.holds_objects and not fmt.folder:
@@ -179,6 +237,32 @@ def slim_plan(path: str | Path) -> SlimAction | str:
             prefixes=prefixes,
             bytes=sum(e.nbytes for e in entries),
         )
+
+
+def _listing(
+    root: Path, removed: list[str], owner: dict[str, str], weights: set[str]
+) -> list[SlimFile]:
+    """Every file of the checkpoint folder `root` (hidden ones and ckpt's own records aside),
+    removed or kept, with why; `owner` names each component file's component, `weights` the
+    components that hold tensors."""
+    out = [SlimFile(path=rel, removed=True, why=REMOVED_WHY[_stem(owner[rel])]) for rel in removed]
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if rel in removed or not path.is_file() or path.is_symlink():
+            continue
+        if any(part.startswith(".") for part in rel.split("/")) or rel == SLIM_RECORD:
+            continue
+        comp = owner.get(rel)
+        if comp is None:
+            why = _OTHER_WHY
+        elif _stem(comp) in _KEPT_WHY:
+            why = _KEPT_WHY[_stem(comp)]
+        elif comp in weights:  # a model a save hook wrote (`unet`, `lora`)
+            why = f"the weights of {comp}"
+        else:
+            why = f"the component {comp}: {_OTHER_WHY.partition(': ')[2]}"
+        out.append(SlimFile(path=rel, removed=False, why=why))
+    return out
 
 
 def _relative(root: Path, component: Checkpoint, name: str) -> str | None:

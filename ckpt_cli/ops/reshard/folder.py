@@ -19,6 +19,7 @@ world size changes: the Trainer's `train_batch_size` x ranks).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import cast
 
@@ -26,10 +27,11 @@ from ...dist.placement import Rule
 from ...errors import UsageError
 from ...formats import get_format
 from ...formats.base import Checkpoint, Source
-from ...formats.names import DCP_DATA_SUFFIX, DCP_METADATA
+from ...formats.names import DCP_DATA_SUFFIX, DCP_METADATA, RESHARD_RECORD
 from ...models import FileInfo
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts.base import Layout, OpenedSource
+from ...sources.layouts.training import resharded
 from ...storage import safe_relpath
 from ...storage.output import check_destination
 from ..convert.plan import guard_paths, local_dest
@@ -217,8 +219,12 @@ def reshard_folder(
         report.warnings.extend(notes)
         notes = notes + missing_rank_files(layout, files_out, rank_files, world_size, before)
         report.resume = resume_verdict(opened.training, report, notes)
+        record = reshard_record(source, before, world_size, action)
         if dry_run:
             report.files = _planned(cuts, carried, files_out, source)
+            if record is not None:
+                report.files = [f for f in report.files if f.path != RESHARD_RECORD]
+                report.files.append(FileInfo(path=RESHARD_RECORD, size=len(record)))
             report.dry_run = True
             return report
 
@@ -228,6 +234,9 @@ def reshard_folder(
             for item in files_out:
                 for name in item.written:
                     copy_verbatim(source, item.path, staging / safe_relpath(name, source=src))
+            if record is not None:
+                # written after what was carried: a record the source had says an older cut
+                (staging / RESHARD_RECORD).write_bytes(record)
 
         result = write_cuts(cuts, out, force, progress, carry)
         written = [FileInfo.model_validate(f) for f in result["files"]]
@@ -237,6 +246,9 @@ def reshard_folder(
             for item in files_out
             for name in item.written
         ]
+        if record is not None:
+            written = [f for f in written if f.path != RESHARD_RECORD]
+            written.append(FileInfo(path=RESHARD_RECORD, size=len(record)))
         report.files = written
         report.verified = True
         from ...dist.command import RankShare
@@ -312,6 +324,25 @@ def _carried(
         else:
             carried.append(rel)
     return carried, skipped
+
+
+def reshard_record(source: Source, before: int, after: int, action: str | None) -> bytes | None:
+    """The `ckpt-reshard.json` a world-size cut of `source` (from `before` ranks to `after`)
+    writes into its output, or None when the world size stays. It names the world size the
+    run saved the folder at (an earlier cut's record says it, else `before`), which `verify`
+    and `inspect` read: a resume at another world size is never exact."""
+    if before == after:
+        return None
+    earlier = resharded(source, RESHARD_RECORD)
+    saved = earlier["saved_world_size"] if earlier and earlier["saved_world_size"] else before
+    record = {
+        "ckpt_reshard": 1,
+        "saved_world_size": saved,
+        "source_world_size": before,
+        "world_size": after,
+        "rank_state": action,
+    }
+    return (json.dumps(record, indent=2) + "\n").encode()
 
 
 def _planned(

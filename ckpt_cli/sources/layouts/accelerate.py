@@ -50,6 +50,7 @@ from .ranks import (
 )
 from .save_before import LOST_SINCE_FIX, lost_since, save_before
 from .training import (
+    COUNTED_ONLY,
     all_models,
     all_schedulers,
     analyse,
@@ -189,6 +190,17 @@ class Accelerate(Layout):
         state.components = component_files(folder)
         if samplers and not state.dataloader:
             state.dataloader = samplers[0]
+        counted_only = _positions_counted_only(folder, samplers)
+        if counted_only and state.dataloader is not None:
+            state.dataloader = {
+                **state.dataloader,
+                "kind": COUNTED_ONLY,
+                "reason": f"{', '.join(counted_only)} records how many batches the loader drew, "
+                "not its shuffle order: load_state skips that many batches of the order the "
+                "resumed loader draws, the saved run's only with a seedable sampler "
+                "(use_seedable_sampler=True) whose epoch the script sets, or with no shuffle, "
+                "and the save shows neither",
+            }
         # accelerate records no training step: the `step` in `random_states_N.pkl` counts
         # gradient-accumulation micro-steps (0 without `accumulate()`, reset each epoch), and
         # the automatic `checkpoint_N` counts saves. A folder the script named after its step
@@ -208,6 +220,40 @@ class Accelerate(Layout):
             state.missing.append("every prepared optimizer's state")
             state.resumable = state.exact = False
         return opened
+
+
+def _positions_counted_only(folder: Folder, samplers: list[dict[str, object]]) -> list[str]:
+    """The `dl_state_dict{_i}.bin` files whose data position is a batch count only.
+
+    A `StatefulDataLoader` built over a torch `DataLoader`'s sampler (what accelerate's
+    `prepare` builds with `use_stateful_dataloader=True`) saves how many batches it drew
+    (`_num_yielded`, `_sampler_iter_yielded`), and nothing of the sampler: torch's samplers
+    have no state. The resumed loader draws a new order and skips that many batches of it: the
+    saved run's order only where the sampler reproduces it (a `SeedableRandomSampler` at the
+    same epoch, or no shuffle), which the files do not show; a save with and one without
+    `use_seedable_sampler=True` are the same bytes. The order is saved where the loader's
+    sampler is torchdata's own (a `StatefulDataLoader` prepared as it is: its shuffle
+    generator, `..._sampler_iter_state.sampler_iter_state.generator`), where the dataset keeps
+    its own state (`dataset_state.*`), or where the save holds loader i's pickled
+    `SeedableRandomSampler` (`sampler{_i}.bin`: its seed and epoch)."""
+    pickled = {s.get("file") for s in samplers}
+    counted: list[str] = []
+    for comp, checkpoint in sorted(folder.components.items()):
+        match = re.fullmatch(r"dataloader(?:_(\d+))?", comp)
+        files = [f.path for f in checkpoint.manifest.files]
+        if match is None or not files:
+            continue
+        if numbered("sampler", int(match.group(1) or 0)) + TORCH_BIN_SUFFIX in pickled:
+            continue
+        if any(_ORDER_SAVED.search(f".{e.name}") for e in checkpoint.manifest.entries):
+            continue
+        counted.append(files[0])
+    return counted
+
+
+#: an entry of a data loader's state that saves its order: a sampler's generator state, or
+#: the dataset's own state (a Stateful dataset)
+_ORDER_SAVED = re.compile(r"\.generator$|\.dataset_state\.")
 
 
 #: the class of the sampler `save_state` pickles whole into `sampler{_i}.bin`

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ...budgets import json_record_over_budget
 from ...errors import CkptError
-from ...formats.base import Checkpoint
+from ...formats.base import Checkpoint, Source
+from ...formats.names import RESHARD_RECORD
 from ...models import Entry, Manifest, OptimizerState, Problem, ProblemList, TrainingState
 from .base import REQUIRED, OpenedSource, top_keys
 from .ranks import RANK_RNG_CODES
@@ -486,6 +489,15 @@ def per_rank_models(checkpoint: Checkpoint, state: TrainingState) -> None:
         state.optimizer = combined
 
 
+#: `TrainingState.dataloader["kind"]` of a data position saved as a batch count alone, whose
+#: order after resume the save does not show (accelerate's `dl_state_dict.bin` over a torch
+#: sampler): not exact, with its `reason`
+COUNTED_ONLY = "batch count only"
+#: the data-loader kinds an exact resume lacks: the position is not restored (the Trainer's
+#: `ignore_data_skip`), or it is restored in an order the save does not show
+_NOT_REPLAYED = ("not replayed", COUNTED_ONLY)
+
+
 def verdict(state: TrainingState) -> None:
     """Two levels: `resumable` (training can continue: weights, optimizer, a progress counter)
     and `exact` (the resumed run is bit-identical: also scheduler, step, RNG, data loader).
@@ -512,8 +524,12 @@ def verdict(state: TrainingState) -> None:
         extra.append("step")
     if not state.rng:
         extra.append("rng")
-    if not state.dataloader or state.dataloader.get("kind") == "not replayed":
+    if not state.dataloader or state.dataloader.get("kind") in _NOT_REPLAYED:
         extra.append("dataloader")
+    if state.resharded is not None:
+        extra.append(
+            f"the world size it was saved at ({state.resharded['saved_world_size'] or '?'})"
+        )
     state.missing = missing
     state.resumable = not missing
     state.missing_exact = extra
@@ -544,6 +560,14 @@ def no_training_state(opened: OpenedSource) -> str:
         return "weights only"
     return "its entries are laid out as no training framework ckpt knows saves them"
 
+
+#: what makes accelerate's `save_state` keep the data position and its order
+_STATEFUL_LOADER = (
+    "create the Accelerator with dataloader_config=DataLoaderConfiguration("
+    "use_stateful_dataloader=True) and prepare a torchdata StatefulDataLoader(..., shuffle=True) "
+    "in place of the torch DataLoader: save_state then saves the position and the shuffle "
+    "generator (dl_state_dict.bin) and load_state restores both"
+)
 
 #: who saves an item a checkpoint lacks (see `training_checks`)
 _SAVERS = "the Trainer and accelerate's save_state do"
@@ -593,13 +617,25 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
     }
     #: who saves it, where not both of the Trainer and accelerate's save_state do
     savers = {
-        "dataloader": "the Trainer does, and accelerate's save_state with "
-        "DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=True)"
+        "dataloader": "the Trainer does, and accelerate's save_state of a torchdata "
+        "StatefulDataLoader with DataLoaderConfiguration(use_stateful_dataloader=True)"
     }
     fixes: dict[str, str] = {}
-    if state.dataloader and isinstance(state.dataloader.get("reason"), str):
+    kind = state.dataloader.get("kind") if state.dataloader else None
+    reason = state.dataloader.get("reason") if state.dataloader else None
+    if kind == COUNTED_ONLY and isinstance(reason, str):
+        # restored, but in an order the save does not show (accelerate over a torch sampler)
+        labels["dataloader"] = f"the data position is saved without its order ({reason})"
+        fixes["dataloader"] = (
+            f"For an exact resume, {_STATEFUL_LOADER}. With a torch DataLoader, create the "
+            "Accelerator with DataLoaderConfiguration(use_stateful_dataloader=True, "
+            "use_seedable_sampler=True) and call the prepared loader's set_epoch(epoch) at "
+            "each epoch: the resumed run then draws the saved run's order, which the save "
+            "cannot show (a restart test compared with `ckpt diff` can)."
+        )
+    elif isinstance(reason, str):
         # saved, but the framework will not restore it (the Trainer's ignore_data_skip)
-        labels["dataloader"] = f"the data position is not restored ({state.dataloader['reason']})"
+        labels["dataloader"] = f"the data position is not restored ({reason})"
         fixes["dataloader"] = (
             "For an exact resume, resume with ignore_data_skip=False (TrainingArguments' "
             "default), so the Trainer skips the batches trained on, or resume from a save at "
@@ -608,11 +644,10 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
     elif state.layout == "accelerate":
         # save_state keeps a data position only for torchdata's StatefulDataLoader
         fixes["dataloader"] = (
-            "For an exact resume, create the Accelerator with dataloader_config="
-            "DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=True): "
-            "save_state then saves the data loader's position (dl_state_dict.bin) and "
-            "load_state restores it, in the same shuffled order; or resume from a checkpoint "
-            "of the run that holds it."
+            f"For an exact resume, {_STATEFUL_LOADER} (over a torch DataLoader's sampler it "
+            "saves a batch count only, in the saved run's order only with "
+            "use_seedable_sampler=True, which the save cannot show); or resume from a "
+            "checkpoint of the run that holds it."
         )
     said = {p.code for p in problems}
     for item in REQUIRED:
@@ -640,6 +675,23 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
                     "holds it.",
                 )
             )
+    if state.resharded is not None:
+        # 0: a record that could not be read (the world sizes are unknown, the cut is not)
+        was = state.resharded["saved_world_size"] or "?"
+        now = state.resharded["world_size"] or "?"
+        problems.append(
+            Problem(
+                code="resharded_world_size",
+                message=f"{where}: `ckpt reshard` cut it from the {was} rank(s) the run saved "
+                f"it at for {now} ({RESHARD_RECORD}): every rank reads another shard of the data "
+                "and draws from another RNG stream than the saved run did; resumable, but not "
+                "exactly",
+                file=where,
+                severity="error" if exact else "warning",
+                fix=f"For an exact resume, resume on {was} rank(s) from the save the run "
+                "wrote; a resume on another world size is never bit-identical.",
+            )
+        )
     opt = state.optimizer
     if opt is not None and not opt.complete:
         covers = (
@@ -912,6 +964,28 @@ def _pair_shape_problems(
     return problems
 
 
+def resharded(source: Source, rel: str) -> dict[str, int] | None:
+    """What the `ckpt-reshard.json` at `rel` of `source` says (`TrainingState.resharded`), or
+    None where there is none. A record that cannot be read still says the folder was
+    resharded: its world sizes are then 0 (unknown)."""
+    if rel not in source.files:
+        return None
+    size = source.files.get(rel) or 0
+    unknown = {"saved_world_size": 0, "world_size": 0}
+    if json_record_over_budget(size) is not None:
+        return unknown
+    try:
+        record = json.loads(source.storage.read_all(rel))
+    except (ValueError, OSError):
+        return unknown
+    if not isinstance(record, dict):
+        return unknown
+    out = {k: record.get(k) for k in unknown}
+    if not all(type(v) is int and v > 0 for v in out.values()):
+        return unknown
+    return {k: int(v) for k, v in out.items() if isinstance(v, int)}
+
+
 def finish(
     checkpoint: Checkpoint, state: TrainingState, folder: Folder | None = None
 ) -> OpenedSource:
@@ -920,6 +994,7 @@ def finish(
     save not resumable, a rank's lost RNG states not exactly."""
     if folder is not None:
         state.unreadable = dict(folder.unreadable)
+        state.resharded = resharded(folder.source, folder.rel(RESHARD_RECORD))
         # a rank's RNG file the save before held (`ranks_lost_since`) was lost, not perhaps on
         # another node's disk: one problem for the file, the certain one
         certain = {p.file for p in folder.problems if p.code == "missing_rank_rng"}
