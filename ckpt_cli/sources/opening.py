@@ -86,6 +86,15 @@ def open_source(src: str | Source, format: str | None = None) -> OpenedSource:
         opened = open_folder_layout(source)
         if opened is not None:
             return opened
+        if holds_only_nested_checkpoints(source):
+            # a whole legacy Megatron-LM save (`iter_N/mp_rank_*/`, or its run folder through
+            # the tracker): one checkpoint of its rank folders (imported here alone: a plain
+            # model never loads it, start-up #30)
+            from .layouts.megatron_legacy import open_save, whole_save
+
+            save = whole_save(source)
+            if save is not None:
+                return open_save(save)
         layout = describe_model_folder(source)
     checkpoint = open_plain(source, format)
     saved_as = get_format(checkpoint.manifest.format)

@@ -1,0 +1,95 @@
+"""A whole legacy Megatron-LM save (`iter_N/`, or its run folder) is one checkpoint to inspect
+and convert.
+
+A user names the iteration folder Megatron-LM's `save_checkpoint` (`--ckpt-format torch`)
+wrote, `iter_0000200/` with its `mp_rank_TT[_PPP]/model_optim_rng.pt` rank folders: `verify`
+checked every rank folder, but `inspect` and `convert` stopped with "name one of them". Each
+rank's file here is the dict Megatron-LM's `generate_state_dict` builds, written with
+`torch.save` as it does (tests/test_megatron_legacy.py: megatron-core's pip package holds no
+legacy writer), and with `--use-distributed-optimizer` its `distrib_optim.pt` beside it
+(tests/test_megatron_legacy_ranks.py). Outputs are read back with `torch.load`,
+`safetensors.safe_open` and `dcp.load`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .conftest import run_ckpt
+from .test_megatron_legacy import RANK_FILE, legacy_save, megatron_args, rank_folder
+from .test_megatron_legacy_ranks import DISTRIB_OPTIM, distributed_save
+
+#: the rank folders of a save split over 2 tensor-parallel ranks and 2 pipeline stages
+GRID = ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+
+
+def rank_model(save: Path, folder: str) -> dict[str, torch.Tensor]:
+    """A rank's weights as Megatron-LM's `load_checkpoint` reads them."""
+    state = torch.load(save / folder / RANK_FILE, weights_only=False)
+    return dict(state["model"])
+
+
+def test_inspect_of_a_whole_save_reports_the_grid_and_every_rank_folder(tmp_path: Path) -> None:
+    save = tmp_path / "iter_0000200"
+    legacy_save(save, 200, 2, 2, megatron_args(2, 2))
+
+    result = run_ckpt("inspect", save, "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json["result"]
+    layout = report["layout"]
+    assert layout["layout"] == "megatron-legacy-save"
+    assert layout["details"]["tensor_model_parallel_size"] == 2
+    assert layout["details"]["pipeline_model_parallel_size"] == 2
+    assert layout["details"]["expert_model_parallel_size"] == 1
+    assert layout["details"]["iteration"] == 200
+    assert [c["name"] for c in layout["components"]] == GRID
+    assert {f["path"] for f in report["files"]} == {f"{r}/{RANK_FILE}" for r in GRID}
+    # every rank's tensors under its folder's name, as the real reader sees them
+    entries = {e["name"]: e for e in report["entries"]}
+    for tp in range(2):
+        for pp in range(2):
+            folder = rank_folder(tp, pp, 2)
+            weights = rank_model(save, folder)
+            for name, tensor in weights.items():
+                entry = entries[f"{folder}.model.{name}"]
+                assert entry["shape"] == list(tensor.shape), name
+                assert entry["dtype"] == "float32"
+            comp = next(c for c in layout["components"] if c["name"] == folder)
+            assert comp["tensors"] >= len(weights)
+            assert comp["parameters"] == sum(t.numel() for t in weights.values())
+    # the optimizer's moments are no parameters: per rank, summed
+    assert report["parameters"] == sum(
+        t.numel() for folder in GRID for t in rank_model(save, folder).values()
+    )
+    moments = 0
+    for folder in GRID:
+        saved = torch.load(save / folder / RANK_FILE, weights_only=False)["optimizer"]["state"]
+        moments += sum(t.numel() for per in saved.values() for t in per.values())
+    assert report["state_elements"]["optimizer"] == moments
+    training = report["training"]
+    assert training["step"] == 200
+    assert training["optimizer"] is not None
+    assert training["resumable"] is True
+    assert report["part_of"] is None
+    # the module tree: one branch per rank folder
+    assert [node["name"] for node in report["tree"]] == GRID
+
+    human = run_ckpt("inspect", save)
+    assert human.exit_code == 0, human.stdout + human.stderr
+    assert "tensor_model_parallel_size 2 × pipeline_model_parallel_size 2" in human.stdout
+    assert "mp_rank_01_001" in human.stdout
+
+
+def test_inspect_of_a_whole_save_names_the_distributed_optimizer_state(tmp_path: Path) -> None:
+    save = tmp_path / "iter_0000200"
+    distributed_save(save, 200, 2)
+
+    report = run_ckpt("inspect", save, "--json").json["result"]
+    assert report["layout"]["details"]["optimizer"] == DISTRIB_OPTIM
+    assert report["training"]["optimizer"]["source"] == DISTRIB_OPTIM
+    assert {f["path"] for f in report["files"]} == {
+        f"mp_rank_0{t}/{name}" for t in range(2) for name in (RANK_FILE, DISTRIB_OPTIM)
+    }
+    assert "mp_rank_01.distrib_optim.0" in {e["name"] for e in report["entries"]}
