@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from .conftest import run_ckpt
-from .test_megatron_legacy import RANK_FILE, legacy_save, megatron_args, rank_folder
+from .test_megatron_legacy import RANK_FILE, TRACKER, legacy_save, megatron_args, rank_folder
 from .test_megatron_legacy_ranks import DISTRIB_OPTIM, distributed_save
 
 #: the rank folders of a save split over 2 tensor-parallel ranks and 2 pipeline stages
@@ -93,3 +94,99 @@ def test_inspect_of_a_whole_save_names_the_distributed_optimizer_state(tmp_path:
         f"mp_rank_0{t}/{name}" for t in range(2) for name in (RANK_FILE, DISTRIB_OPTIM)
     }
     assert "mp_rank_01.distrib_optim.0" in {e["name"] for e in report["entries"]}
+
+
+def test_convert_of_a_one_rank_save_is_that_rank_as_the_model(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    save = tmp_path / "iter_0000100"
+    legacy_save(save, 100, 1, 1, megatron_args(1, 1))
+    out = tmp_path / "model.safetensors"
+    result = run_ckpt("convert", save, out, "--to", "safetensors", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    # the whole model: no "one of the rank folders" warning
+    assert not any("rank folder" in w for w in result.json["result"]["warnings"])
+    weights = rank_model(save, "mp_rank_00")
+    with safe_open(out, "pt") as f:
+        assert {k for k in f.keys() if k.startswith("model.")}  # noqa: SIM118 == {f"model.{k}" for k in weights}
+        for name, tensor in weights.items():
+            assert torch.equal(f.get_tensor(f"model.{name}"), tensor), name
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch", "dcp"])
+def test_convert_of_a_split_save_writes_each_rank_folder_under_dest(
+    tmp_path: Path, to: str
+) -> None:
+    save = tmp_path / "iter_0000200"
+    legacy_save(save, 200, 2, 2, megatron_args(2, 2))
+    out = tmp_path / "out"
+    result = run_ckpt("convert", save, out, "--to", to, "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json["result"]
+    assert sorted(p.name for p in out.iterdir()) == GRID
+    assert any("each rank folder" in w for w in report["warnings"])
+    assert report["tensors"] > 0
+    for folder in GRID:
+        weights = rank_model(save, folder)
+        got = _read_back(out / folder, to, [f"model.{k}" for k in weights])
+        for name, tensor in weights.items():
+            assert torch.equal(got[f"model.{name}"], tensor), (folder, name)
+    assert {f["path"].split("/")[0] for f in report["files"]} == set(GRID)
+
+
+def _read_back(folder: Path, to: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors `names` of one rank's output, by the format's own reader."""
+    if to == "safetensors":
+        from safetensors import safe_open
+
+        (path,) = folder.glob("*.safetensors")
+        with safe_open(path, "pt") as f:
+            return {n: f.get_tensor(n) for n in names}
+    if to == "torch":
+        (path,) = [p for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+        state = torch.load(path, weights_only=False)  # its `args` is an argparse.Namespace
+        flat: dict[str, torch.Tensor] = {}
+        for key, value in state["model"].items():
+            flat[f"model.{key}"] = value
+        return {n: flat[n] for n in names}
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    state = {
+        n: torch.empty(m.size, dtype=m.properties.dtype)
+        for n, m in metadata.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata) and n in names
+    }
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
+    return state
+
+
+def test_convert_of_the_run_folder_converts_the_iteration_its_tracker_names(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "ckpts"
+    legacy_save(run / "iter_0000100", 100, 1, 1, megatron_args(1, 1))
+    legacy_save(run / "iter_0000200", 200, 1, 1, megatron_args(1, 1))
+    (run / TRACKER).write_text("100")  # the tracker, not the newest folder, says which
+    out = tmp_path / "out"
+    result = run_ckpt("convert", run, out, "--to", "torch", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    (path,) = [p for p in out.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+    state = torch.load(path, weights_only=False)  # as Megatron-LM loads it: `args` inside
+    assert state["iteration"] == 100
+    for name, tensor in rank_model(run / "iter_0000100", "mp_rank_00").items():
+        assert torch.equal(state["model"][name], tensor), name
+
+
+def test_a_split_save_is_never_exported_as_one_model(tmp_path: Path) -> None:
+    save = tmp_path / "iter_0000200"
+    legacy_save(save, 200, 2, 2, megatron_args(2, 2))
+    out = tmp_path / "hf"
+    refused = run_ckpt("convert", save, out, "--to", "hf", "--json")
+    assert refused.exit_code == 4, refused.stdout
+    error = refused.json["error"]
+    assert "tensor_model_parallel_size 2 × pipeline_model_parallel_size 2" in error["message"]
+    assert "tools/checkpoint/convert.py" in error["fix"]
+    assert "--to safetensors" in error["fix"]
+    assert not out.exists()
