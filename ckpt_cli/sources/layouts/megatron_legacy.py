@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from ...errors import MissingRanksError
 from ...formats.base import Source
-from ...models import FileInfo
+from ...models import FileInfo, Problem
 
 if TYPE_CHECKING:
     from .base import OpenedSource
@@ -455,4 +455,104 @@ def refuse_export(save: WholeSave, naming: str) -> None:
         "(--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1), or save it as "
         "torch_dist (`--ckpt-convert-format torch_dist`) and convert that; "
         "`--to safetensors` (or torch, dcp) writes each rank folder as it is.",
+    )
+
+
+def refuse_incomplete_save(source: Source) -> None:
+    """Refuse (`MissingRanksError`, exit 4) a whole legacy save `source` that lacks rank
+    folders, naming them; nothing for a complete one or any other SRC."""
+    from ..runs.judge import megatron_missing_ranks
+
+    refuse_missing_ranks(
+        source.location.raw, megatron_missing_ranks(source.storage, "", source.files)
+    )
+
+
+def save_checks(source: Source, resumable: bool, exact: bool) -> list[Problem] | None:
+    """`verify` of a whole legacy Megatron-LM save (`iter_N/`, its `mp_rank_*/` rank folders
+    at its top), None for any other SRC (by names: nothing read).
+
+    The rank folders its args call for (a lost one is `missing_rank_folder`), then every rank
+    folder checked as `verify` checks one named alone (each file's structure, the
+    `distrib_optim.pt` its args call for) and, with `resumable`, each rank's training state;
+    every problem is reported, named by its rank folder's path."""
+    from ...formats import holds_only_nested_checkpoints
+
+    if source.target is not None or not holds_only_nested_checkpoints(source):
+        return None
+    folders = rank_folders(source.files)
+    if not folders:
+        return None
+    from ...findings import problem_from_error
+    from ..runs.judge import megatron_missing_ranks
+    from . import open_folder_layout
+    from .composite import subfolder_source
+    from .megatron_rank import ONE_RANK
+    from .training import opened_problems, training_checks
+
+    problems: list[Problem] = []
+    missing = megatron_missing_ranks(source.storage, "", source.files)
+    if missing is not None:
+        error = MissingRanksError(
+            missing_ranks_text(missing), path=source.location.raw, fix=MISSING_RANKS_FIX
+        )
+        problems.append(problem_from_error(error))
+    for name, whole in sorted(folders.items()):
+        if not whole:
+            continue  # said above: a rank folder without its model_optim_rng.pt is missing
+        part = subfolder_source(source, name)
+        opened = open_folder_layout(part)
+        if opened is None:
+            continue
+        try:
+            found = opened_problems(part, opened)
+            if resumable and not any(p.severity == "error" for p in found):
+                said = {(p.code, p.file, p.message) for p in found}
+                found += [
+                    p
+                    for p in training_checks(opened, exact=exact)
+                    if (p.code, p.file, p.message) not in said
+                ]
+        finally:
+            opened.checkpoint.close()
+        # this is the whole save: no rank folder is "one of several" here
+        problems += [p for p in found if p.code != ONE_RANK]
+    return problems
+
+
+def refuse_reshard(source: Source) -> None:
+    """Refuse (FormatError, exit 4) to reshard a legacy Megatron-LM save (`iter_N/`) or one of
+    its rank folders (by names: nothing read).
+
+    Megatron-LM loads each rank folder's `model_optim_rng.pt` and `distrib_optim.pt` whole,
+    at the tensor × pipeline sizes its args record; a copy cut into size shards, or re-cut for
+    another world size, is one no loader reads, and the distributed optimizer's flat buffers
+    cannot be re-cut from names alone. Megatron-LM's own converter changes the sizes."""
+    if source.target is not None:
+        return
+    from ...formats import holds_only_nested_checkpoints
+    from . import folder_layout_of
+
+    layout = folder_layout_of(source)
+    if layout is not None:
+        from .megatron_rank import MegatronRank
+
+        if layout.name != MegatronRank.name:
+            return
+        what = "a rank folder of a legacy Megatron-LM save"
+    else:
+        if not holds_only_nested_checkpoints(source) or not rank_folders(source.files):
+            return
+        what = "a legacy Megatron-LM save (its mp_rank_* rank folders)"
+    from ...errors import FormatError
+
+    raise FormatError(
+        f"is {what}: Megatron-LM loads each rank folder's model_optim_rng.pt (and "
+        "distrib_optim.pt) whole, at the parallel sizes its args record, so a copy cut into "
+        "shards or for another world size would load nowhere",
+        path=source.location.raw,
+        fix="Change its parallel sizes with Megatron-LM's tools/checkpoint/convert.py "
+        "(--target-tensor-parallel-size / --target-pipeline-parallel-size), or save it as "
+        "torch_dist (`--ckpt-convert-format torch_dist --ckpt-convert-save DIR`) and run "
+        "`ckpt reshard DIR OUT --world-size N`; copy it as it is with `ckpt sync` or cp.",
     )

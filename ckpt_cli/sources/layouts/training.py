@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...errors import CkptError
-from ...formats.base import Checkpoint
+from ...formats.base import Checkpoint, Source
 from ...models import Entry, Manifest, OptimizerState, Problem, ProblemList, TrainingState
 from .base import REQUIRED, OpenedSource, top_keys
 from .ranks import RANK_RNG_CODES
@@ -533,6 +533,26 @@ def as_int(value: Any) -> int | None:
 def component_problems(opened: OpenedSource) -> list[Problem]:
     """Components that were found but could not be read (for a structural verify)."""
     return list(opened.problems)
+
+
+def opened_problems(source: Source, opened: OpenedSource) -> list[Problem]:
+    """The structural problems of a training folder `source` opened as `opened`: the
+    components that could not be read, and each component file's (or subfolder's) own format
+    check (what `verify` runs on a training folder, and on each rank folder of a whole legacy
+    Megatron-LM save)."""
+    from ...formats import get_format
+    from .composite import subfolder_source
+
+    problems = component_problems(opened)
+    for rel, fmt in opened.parts.values():
+        if fmt == "json":
+            continue
+        if rel.endswith("/"):
+            part = subfolder_source(source, rel.rstrip("/"))
+        else:
+            part = Source(location=source.location, storage=source.storage, target=rel)
+        problems.extend(get_format(fmt).check(part))
+    return problems
 
 
 def no_training_state(opened: OpenedSource) -> str:
