@@ -190,3 +190,42 @@ def test_a_split_save_is_never_exported_as_one_model(tmp_path: Path) -> None:
     assert "tools/checkpoint/convert.py" in error["fix"]
     assert "--to safetensors" in error["fix"]
     assert not out.exists()
+
+
+def test_a_split_save_dry_run_plans_each_rank_folder_and_writes_nothing(tmp_path: Path) -> None:
+    save = tmp_path / "iter_0000200"
+    legacy_save(save, 200, 2, 2, megatron_args(2, 2))
+    out = tmp_path / "out"
+    plan = run_ckpt("convert", save, out, "--to", "safetensors", "--dry-run", "--json")
+    assert plan.exit_code == 0, plan.stdout + plan.stderr
+    assert {f["path"] for f in plan.json["result"]["files"]} == {
+        f"{r}/model.safetensors" for r in GRID
+    }
+    assert not out.exists()
+
+    # a file DEST cannot hold four rank folders: a usage error, nothing written
+    one_file = tmp_path / "model.safetensors"
+    refused = run_ckpt("convert", save, one_file, "--to", "safetensors", "--json")
+    assert refused.exit_code == 2, refused.stdout
+    assert f"{save}/mp_rank_00_000" in refused.json["error"]["fix"]
+    assert not one_file.exists()
+
+
+def test_filters_see_the_rank_folder_names_inspect_shows(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    save = tmp_path / "iter_0000200"
+    legacy_save(save, 200, 2, 2, megatron_args(2, 2))
+    out = tmp_path / "out"
+    result = run_ckpt(
+        "convert", save, out, "--to", "safetensors", "--filter", "mp_rank_01_*.model.*", "--json"
+    )
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["mp_rank_01_000", "mp_rank_01_001"]
+    left = {s["name"] for s in result.json["result"]["skipped"] if s["kind"] == "component"}
+    assert left == {"mp_rank_00_000", "mp_rank_00_001"}
+    weights = rank_model(save, "mp_rank_01_001")
+    with safe_open(out / "mp_rank_01_001" / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == {f"model.{k}" for k in weights}
+        for name, tensor in weights.items():
+            assert torch.equal(f.get_tensor(f"model.{name}"), tensor), name

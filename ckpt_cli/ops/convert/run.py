@@ -963,22 +963,27 @@ def _convert_megatron_save(
             fix="Name a local folder as DEST (out/), or convert one rank folder "
             f"({root}/{save.folders[0]}) to a file.",
         )
-    inner = request.model_copy(update={"force": False})
+    # --filter / --filter-out see the names `ckpt inspect` shows of the whole save
+    # (`mp_rank_01_000.model.decoder...`); a rank folder they keep nothing of is left out
+    ranks = [Component(name=f, path=f, kind=None, weights=f"{f}/") for f in save.folders]
+    left_out, filter_warnings = _left_out_components(src, ranks, request)
+    folders = [f for f in save.folders if f not in left_out]
     reports: list[ConvertReport] = []
     files: list[FileInfo] = []
 
     def one(folder: str, out: Path) -> None:
-        report = convert_component(f"{root}/{folder}", str(out / folder), to, inner, progress)
+        named = request.model_copy(update={"force": False, "match_prefix": f"{folder}."})
+        report = convert_component(f"{root}/{folder}", str(out / folder), to, named, progress)
         reports.append(report)
         files.extend(f.model_copy(update={"path": f"{folder}/{f.path}"}) for f in report.files)
 
     if request.dry_run:
         check_destination(dest_path, request.force)
-        for folder in save.folders:
+        for folder in folders:
             one(folder, dest_path)
     else:
         with staged_output(dest_path, commit_marker=is_commit_marker, force=request.force) as out:
-            for folder in save.folders:
+            for folder in folders:
                 one(folder, out)
     # each rank's own "one of the N rank folders" note is this one, said once for the save
     told = {f"{folder}/ is one of the" for folder in save.folders}
@@ -987,6 +992,7 @@ def _convert_megatron_save(
         f"({sizes_text(save.sizes)} in its args): each rank folder was converted as it is, "
         "into DEST/<rank folder>/, its slices of the model unmerged"
     ]
+    warnings += filter_warnings
     warnings += [w for r in reports for w in r.warnings if not any(w.startswith(t) for t in told)]
 
     def under(folder: str, names: list[str]) -> list[str]:
@@ -1007,26 +1013,27 @@ def _convert_megatron_save(
         casts=sum(r.casts for r in reports),
         renamed=sum(r.renamed for r in reports),
         skipped=[
+            SkippedEntry(
+                name=f, kind="component", reason="every entry left out by --filter/--filter-out"
+            )
+            for f in save.folders
+            if f in left_out
+        ]
+        + [
             s.model_copy(update={"name": f"{folder}{'/' if s.kind == 'file' else '.'}{s.name}"})
-            for folder, r in zip(save.folders, reports, strict=True)
+            for folder, r in zip(folders, reports, strict=True)
             for s in r.skipped
         ],
-        read=[
-            n
-            for folder, r in zip(save.folders, reports, strict=True)
-            for n in under(folder, r.read)
-        ],
+        read=[n for folder, r in zip(folders, reports, strict=True) for n in under(folder, r.read)],
         extras=[
-            n
-            for folder, r in zip(save.folders, reports, strict=True)
-            for n in under(folder, r.extras)
+            n for folder, r in zip(folders, reports, strict=True) for n in under(folder, r.extras)
         ],
         max_shard_size=first.max_shard_size,
         dcp_serialization=first.dcp_serialization,
         world_size=first.world_size,
         entries=[
             dataclasses.replace(e, name=f"{folder}.{e.name}", source=f"{folder}.{e.source}")
-            for folder, r in zip(save.folders, reports, strict=True)
+            for folder, r in zip(folders, reports, strict=True)
             for e in r.entries
         ],
         dry_run=request.dry_run,
