@@ -51,7 +51,7 @@ def format_of(source: Source, format: str | None = None) -> str:
     folder of runs, a folder of saves such as `final/` and `best/`); a legacy Megatron-LM save
     that lacks rank folders (`iter_N/mp_rank_*/`), as the incomplete save it is (exit 4)."""
     if (format is None or format in STORAGE_NAMES) and holds_only_nested_checkpoints(source):
-        from .layouts.megatron_legacy import refuse_incomplete_save
+        from .layouts.megatron_save import refuse_incomplete_save
         from .runs.naming import refuse_parent_folder
 
         # a legacy Megatron-LM save (`iter_N/mp_rank_*/`) that lost rank folders is refused
@@ -85,7 +85,7 @@ def open_source(src: str | Source, format: str | None = None) -> OpenedSource:
             # a whole legacy Megatron-LM save (`iter_N/mp_rank_*/`, or its run folder through
             # the tracker): one checkpoint of its rank folders (imported here alone: a plain
             # model never loads it, start-up #30)
-            from .layouts.megatron_legacy import open_save, whole_save
+            from .layouts.megatron_save import open_save, whole_save
 
             save = whole_save(source)
             if save is not None:

@@ -42,7 +42,7 @@ from ..shared.architecture import (
 from ..shared.megatron import keep_megatron_layout
 
 if TYPE_CHECKING:
-    from ...sources.layouts.megatron_legacy import WholeSave
+    from ...sources.layouts.megatron_save import WholeSave
 from ..shared.selection import (
     lost_file_warnings,
     refuse_lost_files,
@@ -310,7 +310,7 @@ def convert(
         if found is None and not select and holds_only_nested_checkpoints(source):
             # a whole legacy Megatron-LM save (`iter_N/`, or its run folder: the iteration its
             # tracker names), imported here alone (start-up #30)
-            from ...sources.layouts.megatron_legacy import whole_save
+            from ...sources.layouts.megatron_save import whole_save
 
             save = whole_save(source)
             if save is not None:
@@ -932,7 +932,7 @@ def _convert_megatron_save(
     request: ConvertRequest,
     progress: Progress,
 ) -> ConvertReport:
-    """`convert` of a whole legacy Megatron-LM save (`megatron_legacy.whole_save`).
+    """`convert` of a whole legacy Megatron-LM save (`megatron_save.whole_save`).
 
     One rank folder (tensor, pipeline and expert sizes 1) is the model: converted as that
     folder, every option kept, a framework naming included. Several are written each as it is
@@ -942,7 +942,8 @@ def _convert_megatron_save(
     and no reader at hand loads a merged legacy save to check it; a framework naming, which
     needs the merged model, is refused."""
     from ...formats.names import is_commit_marker, is_single_file_weights
-    from ...sources.layouts.megatron_legacy import SAVE_LAYOUT, refuse_export, sizes_text
+    from ...sources.layouts.megatron_legacy import sizes_text
+    from ...sources.layouts.megatron_save import SAVE_LAYOUT, refuse_export
     from ...storage.output import local_destination, staged_output
 
     root = save.source.location.raw.rstrip("/")

@@ -538,11 +538,11 @@ def _reshard_components(
 
 def _refuse_megatron_legacy(source: Source) -> None:
     """Refuse a legacy Megatron-LM save or one of its rank folders
-    (`megatron_legacy.refuse_reshard`), its module imported only for a folder of checkpoint
+    (`megatron_save.refuse_reshard`), its module imported only for a folder of checkpoint
     folders or a training folder: a plain model's reshard never loads it (start-up #30)."""
     if source.target is None and (
         holds_only_nested_checkpoints(source) or folder_layout_of(source) is not None
     ):
-        from ...sources.layouts.megatron_legacy import refuse_reshard
+        from ...sources.layouts.megatron_save import refuse_reshard
 
         refuse_reshard(source)

@@ -178,7 +178,7 @@ def verify_with(
     # verify never loads them, start-up #30)
     whole_save = None
     if format is None and opened is None and holds_only_nested_checkpoints(source):
-        from ...sources.layouts.megatron_legacy import save_checks
+        from ...sources.layouts.megatron_save import save_checks
 
         whole_save = save_checks(source, resumable, request.exact)
     try:
