@@ -229,3 +229,22 @@ def test_filters_see_the_rank_folder_names_inspect_shows(tmp_path: Path) -> None
         assert set(f.keys()) == {f"model.{k}" for k in weights}
         for name, tensor in weights.items():
             assert torch.equal(f.get_tensor(f"model.{name}"), tensor), name
+
+
+def test_diff_of_two_whole_saves_lines_up_their_rank_folders(tmp_path: Path) -> None:
+    # two saves of the same weights (each rank's seed is its place in the grid), 100 steps
+    # apart: the iteration and the scheduler's step count differ in every rank folder
+    a, b = tmp_path / "iter_0000100", tmp_path / "iter_0000200"
+    legacy_save(a, 100, 2, 2, megatron_args(2, 2))
+    legacy_save(b, 200, 2, 2, megatron_args(2, 2))
+    result = run_ckpt("diff", a, b, "--json")
+    assert result.exit_code == 1, result.stdout + result.stderr
+    report = result.json["result"]
+    assert report["only_a"] == [] and report["only_b"] == []
+    differ = {d["name"] for d in report["differences"]}
+    assert differ == {
+        f"{r}.{key}" for r in GRID for key in ("iteration", "opt_param_scheduler.num_steps")
+    }
+    for folder in GRID:
+        for name, tensor in rank_model(a, folder).items():
+            assert torch.equal(tensor, rank_model(b, folder)[name])

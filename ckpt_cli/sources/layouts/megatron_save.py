@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ...errors import MissingRanksError
 from ...formats.base import Source
 from ...models import FileInfo, Problem
+from ...sizes import counted
 from .megatron_legacy import (
     DISTRIB_OPTIM,
     EP,
@@ -161,7 +162,7 @@ def open_save(save: WholeSave) -> OpenedSource:
     step = f", iteration {first.step}" if first.step is not None else ""
     info = LayoutInfo(
         layout=SAVE_LAYOUT,
-        description=f"legacy Megatron-LM save, {grid}: {len(ranks)} rank folders{step}",
+        description=f"legacy Megatron-LM save, {grid}: {counted(len(ranks), 'rank folder')}{step}",
         details=details,
         components=[
             ComponentInfo(
