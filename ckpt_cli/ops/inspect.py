@@ -186,7 +186,10 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
         # the quantization of the whole checkpoint: a filter's entries are counted by it too
         analysis = analyse_checkpoint(manifest, checkpoint.storage)
         count = parameter_counter(manifest, checkpoint.storage, analysis)
-        parameters, state_elements = _split_parameters(view, opened.training, count)
+        if opened.ranks:
+            parameters, state_elements = _split_ranks(view, opened, count)
+        else:
+            parameters, state_elements = _split_parameters(view, opened.training, count)
         # tensors stored in a form ckpt does not decode (GGUF's Q4_K, Q8_0...) are entries of
         # their own kind, but weights all the same: counted with their logical shape, their
         # stored bytes under their type
@@ -217,7 +220,8 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
             quantization=quantization,
             layout=opened.layout,
             problems=malformed(checkpoint),
-            architecture=_naming(opened, entries, manifest, stored),
+            # a whole save's rank folders hold slices and each stage's own layers: no model
+            architecture=None if opened.ranks else _naming(opened, entries, manifest, stored),
             part_of=opened.part_of,
         )
 
@@ -309,6 +313,33 @@ def _split_parameters(
         return total, {}  # a layout whose weights are not under `model*`: all of it is model
     # no weights at all (deleted, cut short): 0 parameters, never the optimizer's moments
     return model, {k: n for k, n in per.items() if not _MODEL_COMPONENT.fullmatch(k) and n}
+
+
+def _split_ranks(
+    view: Manifest, opened: OpenedSource, count: Callable[[Entry], int]
+) -> tuple[int, dict[str, int]]:
+    """`_split_parameters` of a whole save of rank folders (a legacy Megatron-LM `iter_N/`):
+    each rank's entries (`<folder>.<name>`) split by its own training state, the figures
+    summed, and each rank folder's own parameter count set on the layout's components."""
+    by_rank: dict[str, list[Entry]] = {name: [] for name in opened.ranks}
+    for e in view.entries:
+        folder, _, inner = e.name.partition(".")
+        if folder in by_rank:
+            by_rank[folder].append(e.model_copy(update={"name": inner}))
+    total = 0
+    state: dict[str, int] = {}
+    per_rank: dict[str, int] = {}
+    for folder, rank in opened.ranks.items():
+        part = view.model_copy(update={"entries": by_rank[folder]})
+        model, others = _split_parameters(part, rank.training, count)
+        per_rank[folder] = model
+        total += model
+        for key, n in others.items():
+            state[key] = state.get(key, 0) + n
+    if opened.layout is not None:
+        for comp in opened.layout.components:
+            comp.parameters = per_rank.get(comp.name, comp.parameters)
+    return total, state
 
 
 def quantization_summary(manifest: Manifest, analysis: QuantAnalysis) -> QuantSummary | None:

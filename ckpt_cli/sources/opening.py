@@ -28,7 +28,7 @@ from ..formats import (
 from ..formats.base import Checkpoint, Source
 from ..formats.names import DCP_METADATA
 from ..models import Problem
-from .layouts import folder_layout_of, open_folder_layout
+from .layouts import open_folder_layout
 from .layouts.base import OpenedSource, open_as_format
 from .layouts.model_folders import LayoutInfo
 
@@ -37,11 +37,9 @@ __all__ = [
     "check_source",
     "describe_model_folder",
     "format_of",
-    "megatron_save_checks",
     "open_plain",
     "open_source",
     "recognise_layout",
-    "refuse_megatron_legacy_reshard",
     "single_layout_missing",
 ]
 
@@ -53,15 +51,12 @@ def format_of(source: Source, format: str | None = None) -> str:
     folder of runs, a folder of saves such as `final/` and `best/`); a legacy Megatron-LM save
     that lacks rank folders (`iter_N/mp_rank_*/`), as the incomplete save it is (exit 4)."""
     if (format is None or format in STORAGE_NAMES) and holds_only_nested_checkpoints(source):
-        from .layouts.megatron_legacy import refuse_missing_ranks
-        from .runs.judge import megatron_missing_ranks
+        from .layouts.megatron_save import refuse_incomplete_save
         from .runs.naming import refuse_parent_folder
 
         # a legacy Megatron-LM save (`iter_N/mp_rank_*/`) that lost rank folders is refused
         # as such: naming one of the rank folders left would read part of the weights
-        refuse_missing_ranks(
-            source.location.raw, megatron_missing_ranks(source.storage, "", source.files)
-        )
+        refuse_incomplete_save(source)
         refuse_parent_folder(source.location.raw, source.files)
     return choose_format(source, format)
 
@@ -86,6 +81,15 @@ def open_source(src: str | Source, format: str | None = None) -> OpenedSource:
         opened = open_folder_layout(source)
         if opened is not None:
             return opened
+        if holds_only_nested_checkpoints(source):
+            # a whole legacy Megatron-LM save (`iter_N/mp_rank_*/`, or its run folder through
+            # the tracker): one checkpoint of its rank folders (imported here alone: a plain
+            # model never loads it, start-up #30)
+            from .layouts.megatron_save import open_save, whole_save
+
+            save = whole_save(source)
+            if save is not None:
+                return open_save(save)
         layout = describe_model_folder(source)
     checkpoint = open_plain(source, format)
     saved_as = get_format(checkpoint.manifest.format)
@@ -168,23 +172,13 @@ def check_source(
             return list(get_format(name).check(source))
     except CkptError as error:
         return [problem_from_error(error, file=error.path or where)]
-    from .layouts.composite import subfolder_source
-    from .layouts.training import component_problems
+    from .layouts.training import opened_problems
 
-    problems = component_problems(opened)
     try:
-        for rel, fmt in opened.parts.values():
-            if fmt == "json":
-                continue
-            if rel.endswith("/"):
-                part = subfolder_source(source, rel.rstrip("/"))
-            else:
-                part = Source(location=source.location, storage=source.storage, target=rel)
-            problems.extend(get_format(fmt).check(part))
+        return opened_problems(source, opened)
     finally:
         if owned:
             opened.checkpoint.close()
-    return problems
 
 
 def single_layout_missing(source: Source) -> list[Problem]:
@@ -212,94 +206,3 @@ def recognise_layout(source: Source) -> OpenedSource | None:
     on a broken plain checkpoint (what `verify` does).
     """
     return open_folder_layout(source)
-
-
-def megatron_save_checks(source: Source, resumable: bool, exact: bool) -> list[Problem] | None:
-    """`verify` of a whole legacy Megatron-LM save (`iter_N/`, its `mp_rank_*/` rank folders
-    at its top), None for any other SRC (by names: nothing read).
-
-    The rank folders its args call for (a lost one is `missing_rank_folder`), then every rank
-    folder checked as `verify` checks one named alone (each file's structure, the
-    `distrib_optim.pt` its args call for) and, with `resumable`, each rank's training state;
-    every problem is reported, named by its rank folder's path."""
-    if source.target is not None or not holds_only_nested_checkpoints(source):
-        return None
-    from .layouts.megatron_legacy import MISSING_RANKS_FIX, missing_ranks_text, rank_folders
-    from .layouts.megatron_rank import ONE_RANK
-
-    folders = rank_folders(source.files)
-    if not folders:
-        return None
-    from ..errors import MissingRanksError
-    from .layouts.composite import subfolder_source
-    from .layouts.training import training_checks
-    from .runs.judge import megatron_missing_ranks
-
-    problems: list[Problem] = []
-    missing = megatron_missing_ranks(source.storage, "", source.files)
-    if missing is not None:
-        error = MissingRanksError(
-            missing_ranks_text(missing), path=source.location.raw, fix=MISSING_RANKS_FIX
-        )
-        problems.append(problem_from_error(error))
-    for name, whole in sorted(folders.items()):
-        if not whole:
-            continue  # said above: a rank folder without its model_optim_rng.pt is missing
-        part = subfolder_source(source, name)
-        opened = open_folder_layout(part)
-        if opened is None:
-            continue
-        try:
-            found = check_source(part, opened=opened)
-            if resumable and not any(p.severity == "error" for p in found):
-                said = {(p.code, p.file, p.message) for p in found}
-                found += [
-                    p
-                    for p in training_checks(opened, exact=exact)
-                    if (p.code, p.file, p.message) not in said
-                ]
-        finally:
-            opened.checkpoint.close()
-        # this is the whole save: no rank folder is "one of several" here
-        problems += [p for p in found if p.code != ONE_RANK]
-    return problems
-
-
-def refuse_megatron_legacy_reshard(source: Source) -> None:
-    """Refuse (FormatError, exit 4) to reshard a legacy Megatron-LM save (`iter_N/`) or one of
-    its rank folders (by names: nothing read).
-
-    Megatron-LM loads each rank folder's `model_optim_rng.pt` and `distrib_optim.pt` whole,
-    at the tensor × pipeline sizes its args record; a copy cut into size shards, or re-cut for
-    another world size, is one no loader reads, and the distributed optimizer's flat buffers
-    cannot be re-cut from names alone. Megatron-LM's own converter changes the sizes."""
-    if source.target is not None:
-        return
-    layout = folder_layout_of(source)
-    if layout is not None:
-        from .layouts.megatron_rank import MegatronRank
-
-        if layout.name != MegatronRank.name:
-            return
-    if layout is None:
-        if not holds_only_nested_checkpoints(source):
-            return
-        from .layouts.megatron_legacy import rank_folders
-
-        if not rank_folders(source.files):
-            return
-        what = "a legacy Megatron-LM save (its mp_rank_* rank folders)"
-    else:
-        what = "a rank folder of a legacy Megatron-LM save"
-    from ..errors import FormatError
-
-    raise FormatError(
-        f"is {what}: Megatron-LM loads each rank folder's model_optim_rng.pt (and "
-        "distrib_optim.pt) whole, at the parallel sizes its args record, so a copy cut into "
-        "shards or for another world size would load nowhere",
-        path=source.location.raw,
-        fix="Change its parallel sizes with Megatron-LM's tools/checkpoint/convert.py "
-        "(--target-tensor-parallel-size / --target-pipeline-parallel-size), or save it as "
-        "torch_dist (`--ckpt-convert-format torch_dist --ckpt-convert-save DIR`) and run "
-        "`ckpt reshard DIR OUT --world-size N`; copy it as it is with `ckpt sync` or cp.",
-    )

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import PurePath
-from typing import Any
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
@@ -18,7 +18,7 @@ from ...architectures import HF
 from ...architectures.gguf import tokenizer_note
 from ...dist.command import RankShare, refuse_remote_split
 from ...errors import NotFoundError, UsageError, with_fix
-from ...formats import find_format, resolve_source
+from ...formats import find_format, holds_only_nested_checkpoints, resolve_source
 from ...formats.base import Checkpoint, Format, WriteOptions
 from ...models import FileInfo, Manifest, Record, Request
 from ...progress import NULL_PROGRESS, Progress
@@ -40,6 +40,9 @@ from ..shared.architecture import (
     source_config,
 )
 from ..shared.megatron import keep_megatron_layout
+
+if TYPE_CHECKING:
+    from ...sources.layouts.megatron_save import WholeSave
 from ..shared.selection import (
     lost_file_warnings,
     refuse_lost_files,
@@ -304,6 +307,14 @@ def convert(
             config=config,
             flavor=flavor,
         )
+        if found is None and not select and holds_only_nested_checkpoints(source):
+            # a whole legacy Megatron-LM save (`iter_N/`, or its run folder: the iteration its
+            # tracker names), imported here alone (start-up #30)
+            from ...sources.layouts.megatron_save import whole_save
+
+            save = whole_save(source)
+            if save is not None:
+                return _convert_megatron_save(src, save, dest, to, naming, request, progress)
         if found is not None:
             # a diffusers pipeline / sentence-transformers folder: one component, or each
             if not select:
@@ -909,6 +920,125 @@ def _convert_components(
         quantized_kept=sum(r.quantized_kept for r in reports),
         # components that share a fact (each one's variant renamed by the cast) say it once
         warnings=list(dict.fromkeys(warnings + [w for r in reports for w in r.warnings])),
+    )
+
+
+def _convert_megatron_save(
+    src: str,
+    save: WholeSave,
+    dest: str,
+    to: str,
+    naming: str | None,
+    request: ConvertRequest,
+    progress: Progress,
+) -> ConvertReport:
+    """`convert` of a whole legacy Megatron-LM save (`megatron_save.whole_save`).
+
+    One rank folder (tensor, pipeline and expert sizes 1) is the model: converted as that
+    folder, every option kept, a framework naming included. Several are written each as it is
+    named alone, into DEST/<rank folder>/ (one staging folder, published with one rename):
+    merging them is no copy (which dimension each weight is split along, the per-stage layer
+    numbering, the distributed optimizer's flat buffers all depend on the model and its args),
+    and no reader at hand loads a merged legacy save to check it; a framework naming, which
+    needs the merged model, is refused."""
+    from ...formats.names import is_commit_marker, is_single_file_weights
+    from ...sources.layouts.megatron_legacy import sizes_text
+    from ...sources.layouts.megatron_save import SAVE_LAYOUT, refuse_export
+    from ...storage.output import local_destination, staged_output
+
+    root = save.source.location.raw.rstrip("/")
+    if len(save.folders) == 1:
+        report = convert_component(
+            f"{root}/{save.folders[0]}", dest, naming or to, request, progress
+        )
+        report.source = src
+        return report
+    if naming is not None:
+        refuse_export(save, naming)
+    dest_path = local_destination(resolve_destination(dest))
+    if dest_path is None or is_single_file_weights(dest_path.name):
+        raise UsageError(
+            f"is a legacy Megatron-LM save of {len(save.folders)} rank folders, written each "
+            "to its own folder under DEST; DEST must be a local folder",
+            path=dest,
+            fix="Name a local folder as DEST (out/), or convert one rank folder "
+            f"({root}/{save.folders[0]}) to a file.",
+        )
+    # --filter / --filter-out see the names `ckpt inspect` shows of the whole save
+    # (`mp_rank_01_000.model.decoder...`); a rank folder they keep nothing of is left out
+    ranks = [Component(name=f, path=f, kind=None, weights=f"{f}/") for f in save.folders]
+    left_out, filter_warnings = _left_out_components(src, ranks, request)
+    folders = [f for f in save.folders if f not in left_out]
+    reports: list[ConvertReport] = []
+    files: list[FileInfo] = []
+
+    def one(folder: str, out: Path) -> None:
+        named = request.model_copy(update={"force": False, "match_prefix": f"{folder}."})
+        report = convert_component(f"{root}/{folder}", str(out / folder), to, named, progress)
+        reports.append(report)
+        files.extend(f.model_copy(update={"path": f"{folder}/{f.path}"}) for f in report.files)
+
+    if request.dry_run:
+        check_destination(dest_path, request.force)
+        for folder in folders:
+            one(folder, dest_path)
+    else:
+        with staged_output(dest_path, commit_marker=is_commit_marker, force=request.force) as out:
+            for folder in folders:
+                one(folder, out)
+    # each rank's own "one of the N rank folders" note is this one, said once for the save
+    told = {f"{folder}/ is one of the" for folder in save.folders}
+    warnings = [
+        f"{root} is a legacy Megatron-LM save of {len(save.folders)} rank folders "
+        f"({sizes_text(save.sizes)} in its args): each rank folder was converted as it is, "
+        "into DEST/<rank folder>/, its slices of the model unmerged"
+    ]
+    warnings += filter_warnings
+    warnings += [w for r in reports for w in r.warnings if not any(w.startswith(t) for t in told)]
+
+    def under(folder: str, names: list[str]) -> list[str]:
+        return [f"{folder}/{n}" for n in names]
+
+    first = reports[0]
+    return ConvertReport(
+        source=src,
+        source_format=SAVE_LAYOUT,
+        dest=dest,
+        format=to,
+        files=files,
+        tensors=sum(r.tensors for r in reports),
+        objects=sum(r.objects for r in reports),
+        tensor_bytes=sum(r.tensor_bytes for r in reports),
+        raw_copies=sum(r.raw_copies for r in reports),
+        cast=first.cast,
+        casts=sum(r.casts for r in reports),
+        renamed=sum(r.renamed for r in reports),
+        skipped=[
+            SkippedEntry(
+                name=f, kind="component", reason="every entry left out by --filter/--filter-out"
+            )
+            for f in save.folders
+            if f in left_out
+        ]
+        + [
+            s.model_copy(update={"name": f"{folder}{'/' if s.kind == 'file' else '.'}{s.name}"})
+            for folder, r in zip(folders, reports, strict=True)
+            for s in r.skipped
+        ],
+        read=[n for folder, r in zip(folders, reports, strict=True) for n in under(folder, r.read)],
+        extras=[
+            n for folder, r in zip(folders, reports, strict=True) for n in under(folder, r.extras)
+        ],
+        max_shard_size=first.max_shard_size,
+        dcp_serialization=first.dcp_serialization,
+        world_size=first.world_size,
+        entries=[
+            dataclasses.replace(e, name=f"{folder}.{e.name}", source=f"{folder}.{e.source}")
+            for folder, r in zip(folders, reports, strict=True)
+            for e in r.entries
+        ],
+        dry_run=request.dry_run,
+        warnings=list(dict.fromkeys(warnings)),
     )
 
 

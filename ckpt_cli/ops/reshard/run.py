@@ -31,6 +31,7 @@ from ...formats import (
     find_format,
     format_of_file,
     get_format,
+    holds_only_nested_checkpoints,
     resolve_source,
     serializations,
 )
@@ -44,8 +45,9 @@ from ...formats.names import (
 )
 from ...models import FileInfo
 from ...progress import NULL_PROGRESS, Progress
+from ...sources.layouts import folder_layout_of
 from ...sources.layouts.base import Layout, OpenedSource
-from ...sources.opening import open_plain, refuse_megatron_legacy_reshard
+from ...sources.opening import open_plain
 from ...sources.runs.records import is_checksum_manifest
 from ...storage.output import Destination, check_destination
 from ..convert.plan import check_one_file_naming, guard_paths, local_dest, planned_files
@@ -420,7 +422,7 @@ def reshard_with(
         # SRC is resolved (listed, its Hub revision pinned) once: everything below reads it
         source = resolve_source(src)
         if format is None:
-            refuse_megatron_legacy_reshard(source)
+            _refuse_megatron_legacy(source)
             from ..shared.components import components_of
 
             found = components_of(source)
@@ -434,7 +436,7 @@ def reshard_with(
         rules += load_plan(plan)
     source = resolve_source(src)  # once: the layout check and the re-cut read it
     if format is None:
-        refuse_megatron_legacy_reshard(source)
+        _refuse_megatron_legacy(source)
         folder = _training_folder(source)
         if folder is not None:
             source, opened, layout = folder
@@ -532,3 +534,15 @@ def _reshard_components(
         verified=not request.dry_run,
         dry_run=request.dry_run,
     )
+
+
+def _refuse_megatron_legacy(source: Source) -> None:
+    """Refuse a legacy Megatron-LM save or one of its rank folders
+    (`megatron_save.refuse_reshard`), its module imported only for a folder of checkpoint
+    folders or a training folder: a plain model's reshard never loads it (start-up #30)."""
+    if source.target is None and (
+        holds_only_nested_checkpoints(source) or folder_layout_of(source) is not None
+    ):
+        from ...sources.layouts.megatron_save import refuse_reshard
+
+        refuse_reshard(source)

@@ -21,14 +21,14 @@ from ... import models
 from ...dist.command import CombinedProgress, active
 from ...errors import CkptError, CorruptDataError, UnsafeInputError, UsageError
 from ...findings import problem_from_error, restore_fix
-from ...formats import get_format, resolve_source
+from ...formats import get_format, holds_only_nested_checkpoints, resolve_source
 from ...formats.base import Checkpoint, Source
 from ...heap import gc_paused
 from ...models import Problem, ProblemList, Request
 from ...progress import NULL_PROGRESS, Progress
 from ...sizes import counted
 from ...sources.layouts import OpenedSource
-from ...sources.opening import SourceOpener, megatron_save_checks, recognise_layout
+from ...sources.opening import SourceOpener, recognise_layout
 from ...storage.hashing import ALGORITHMS
 from ..parity import ParityCheck, check_parity, damage_text
 from .checksum_manifest import MANIFEST_NAME, manifest_exists, manifest_location
@@ -176,11 +176,11 @@ def verify_with(
     # a whole legacy Megatron-LM save (`iter_N/mp_rank_*/`): every rank folder, each as
     # verify checks one (the run folders' names imported here alone: a plain model's
     # verify never loads them, start-up #30)
-    whole_save = (
-        megatron_save_checks(source, resumable, request.exact)
-        if format is None and opened is None and source.target is None
-        else None
-    )
+    whole_save = None
+    if format is None and opened is None and holds_only_nested_checkpoints(source):
+        from ...sources.layouts.megatron_save import save_checks
+
+        whole_save = save_checks(source, resumable, request.exact)
     try:
         if whole_save is not None:
             from ...sources.runs.naming import MEGATRON

@@ -37,7 +37,8 @@ checkpoint; `composite` builds the one-checkpoint view of a folder (its typed de
 `details.CompositeDetails`); `training` holds the optimizer / scheduler / RNG / data-loader
 analysis and the resumable / exact verdict; `ranks` what a multi-process save wrote and
 which rank's files it lost; `megatron_legacy` which rank folders a legacy Megatron-LM save
-(`iter_N/mp_rank_*/`) must hold, `megatron_rank` one of those folders named alone; `model_folders` the PEFT / diffusers / sentence-transformers / GGUF
+(`iter_N/mp_rank_*/`) must hold, `megatron_rank` one of those folders named alone,
+`megatron_save` the whole save (opened as one, verified, refused to reshard); `model_folders` the PEFT / diffusers / sentence-transformers / GGUF
 descriptions.
 """
 

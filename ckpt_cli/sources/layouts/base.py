@@ -70,6 +70,10 @@ class OpenedSource:
     #: Megatron-LM rank folder: one rank's slices of the model): an export to a framework
     #: naming, which needs the whole model, is refused; None for a whole checkpoint
     part_of: str | None = None
+    #: for a whole save of several rank folders (a legacy Megatron-LM `iter_N/`): each rank
+    #: folder opened as it is named alone, by folder name; `checkpoint` holds their entries
+    #: under `<folder>.`. Empty for anything else
+    ranks: dict[str, OpenedSource] = field(default_factory=dict)
 
 
 class Layout(ABC):

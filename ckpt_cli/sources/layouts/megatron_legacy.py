@@ -28,6 +28,9 @@ without it resumes nowhere. `missing_distrib_optim` names the folders that lack 
 A rank folder is one model-parallel rank of the save, never the whole: its tensors are that
 rank's slices (`tensor_model_parallel_size` splits each layer's weights, pipeline stages hold
 different layers). `rank_text` says so for a rank folder named alone.
+
+The whole save named as SRC (`iter_N/`) is `megatron_save`'s: it opens the rank folders and
+reads the args through the run judge, both of which import this module.
 """
 
 from __future__ import annotations

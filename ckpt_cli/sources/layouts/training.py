@@ -551,6 +551,26 @@ def component_problems(opened: OpenedSource) -> list[Problem]:
     return list(opened.problems)
 
 
+def opened_problems(source: Source, opened: OpenedSource) -> list[Problem]:
+    """The structural problems of a training folder `source` opened as `opened`: the
+    components that could not be read, and each component file's (or subfolder's) own format
+    check (what `verify` runs on a training folder, and on each rank folder of a whole legacy
+    Megatron-LM save)."""
+    from ...formats import get_format
+    from .composite import subfolder_source
+
+    problems = component_problems(opened)
+    for rel, fmt in opened.parts.values():
+        if fmt == "json":
+            continue
+        if rel.endswith("/"):
+            part = subfolder_source(source, rel.rstrip("/"))
+        else:
+            part = Source(location=source.location, storage=source.storage, target=rel)
+        problems.extend(get_format(fmt).check(part))
+    return problems
+
+
 def no_training_state(opened: OpenedSource) -> str:
     """Why a source with no training layout holds no training state, in a few words: weights
     only, or entries beside them in no arrangement a training framework saves (a DeepSpeed
