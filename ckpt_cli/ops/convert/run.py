@@ -40,9 +40,6 @@ from ..shared.architecture import (
     source_config,
 )
 from ..shared.megatron import keep_megatron_layout
-
-if TYPE_CHECKING:
-    from ...sources.layouts.megatron_save import WholeSave
 from ..shared.selection import (
     lost_file_warnings,
     refuse_lost_files,
@@ -83,6 +80,9 @@ from .plan import (
     unused_renames,
     written_dtype,
 )
+
+if TYPE_CHECKING:
+    from ...sources.layouts.megatron_save import WholeSave
 
 
 class ConvertRequest(Request):
