@@ -187,6 +187,14 @@ class Checkpoint(ABC):
             yield self.storage.read(entry.file, entry.offset + done, n)
             done += n
 
+    def metadata_left_out(self) -> list[str]:
+        """The keys of the files' own string metadata (a sharded safetensors model's
+        `__metadata__`) that `manifest.metadata` leaves out because the files disagree on
+        their value, each a sentence naming the key, its values and their files: what
+        `convert` and `reshard` cannot carry into their output, and warn of. Empty where the
+        files agree, or the format keeps one metadata."""
+        return []
+
     def tolerated_problems(self) -> list[Problem]:
         """The format-rule violations found while opening that leave every entry readable (a
         GGUF file whose tensors are out of order, which llama.cpp refuses and ckpt reads):

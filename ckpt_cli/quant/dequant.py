@@ -585,6 +585,9 @@ class DequantizedView(Checkpoint):
     def tolerated_problems(self) -> list[Problem]:
         return self.base.tolerated_problems()
 
+    def metadata_left_out(self) -> list[str]:
+        return self.base.metadata_left_out()
+
     def close(self) -> None:
         self.base.close()
 

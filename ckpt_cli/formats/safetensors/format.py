@@ -359,6 +359,25 @@ class SafetensorsFormat(Format):
         return SafetensorsWriter(staging, plan, options)
 
 
+def shown_metadata(value: str, limit: int = 60) -> str:
+    """A `__metadata__` value quoted for a message, cut at `limit` characters."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"… ({len(value):,} chars)"
+
+
+def shared_metadata(headers: list[SafetensorsHeader]) -> dict[str, str]:
+    """The `__metadata__` of a model's shards as one: every key of any shard whose shards
+    agree on its value (a key only some shards hold is kept: an alias huggingface_hub records
+    in the shard that dropped the tensor); a key with two values is left out
+    (`metadata_left_out` names it)."""
+    merged: dict[str, str] = {}
+    differing: set[str] = set()
+    for header in headers:
+        for key, value in header.metadata.items():
+            if merged.setdefault(key, value) != value:
+                differing.add(key)
+    return {key: value for key, value in merged.items() if key not in differing}
+
+
 class SafetensorsCheckpoint(Checkpoint):
     """An opened safetensors checkpoint."""
 
@@ -376,6 +395,24 @@ class SafetensorsCheckpoint(Checkpoint):
         #: there); empty for a single file
         self.index_metadata: dict[str, Any] = {}
         self._fds: dict[str, int] = {}
+
+    def metadata_left_out(self) -> list[str]:
+        kept = self.manifest.metadata
+        held: dict[str, dict[str, list[str]]] = {}  # key -> value -> the shards holding it
+        for header in self.headers:
+            for key, value in header.metadata.items():
+                if key not in kept:
+                    held.setdefault(key, {}).setdefault(value, []).append(header.file)
+        out = []
+        for key, values in held.items():
+            said = "; ".join(
+                f"{shown_metadata(value)} in {', '.join(files)}" for value, files in values.items()
+            )
+            out.append(
+                f"__metadata__ key {key!r} differs between the shards ({said}): left out of "
+                "the output, which holds one value per key (set it again by hand if needed)"
+            )
+        return out
 
     @classmethod
     def from_headers(
@@ -426,7 +463,7 @@ class SafetensorsCheckpoint(Checkpoint):
             location=source.location.raw,
             files=files,
             entries=entries,
-            metadata=headers[0].metadata if headers else {},
+            metadata=shared_metadata(headers),
             details=details.as_details(),
         )
         checkpoint = cls(source, manifest, headers, index_rel)

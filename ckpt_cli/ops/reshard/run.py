@@ -186,6 +186,7 @@ def regroup(
                 verified=False,
                 dry_run=True,
                 skipped=skipped,
+                warnings=checkpoint.metadata_left_out(),
             )
         from ...quant import analyse_checkpoint
         from ..convert.plan import keep_quantized
@@ -224,6 +225,7 @@ def regroup(
             verified=True,
             ranks=shares,
             skipped=skipped,
+            warnings=checkpoint.metadata_left_out(),
         )
 
 

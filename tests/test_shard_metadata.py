@@ -1,0 +1,104 @@
+"""A sharded safetensors model whose shards carry different `__metadata__`.
+
+safetensors keeps one string map per file. A model assembled from two saves (a shard
+re-exported by another tool, a merge that re-wrote one shard) holds `{"format": "pt"}` in one
+shard and more keys, or another value of a key, in the next. `convert` and `reshard` wrote the
+FIRST shard's `__metadata__` into every output shard: the other shards' keys vanished without a
+word, and a key they disagreed on took the first shard's value everywhere. The output now holds
+every key the shards agree on (a key only some shards hold included), and a key with two values
+is left out and named in the warnings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .conftest import run_ckpt
+
+
+def _two_shard_model(folder: Path) -> Path:
+    """Two shards written by safetensors with metadata that differs, and their index."""
+    folder.mkdir()
+    first = {"a.weight": torch.arange(4096, dtype=torch.float32).reshape(64, 64)}
+    second = {"b.weight": torch.ones(64, 64), "b.bias": torch.zeros(64)}
+    save_file(
+        second,
+        folder / "model-00002-of-00002.safetensors",
+        metadata={"format": "pt", "exported_by": "merge-tool 1.2", "revision": "b"},
+    )
+    # the first shard records another revision than the second: a key with two values
+    save_file(
+        first,
+        folder / "model-00001-of-00002.safetensors",
+        metadata={"format": "pt", "revision": "a"},
+    )
+    weight_map = {name: "model-00001-of-00002.safetensors" for name in first}
+    weight_map |= {name: "model-00002-of-00002.safetensors" for name in second}
+    total = sum(t.numel() * t.element_size() for t in [*first.values(), *second.values()])
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def _output_metadata(folder: Path) -> list[dict[str, str]]:
+    shards = sorted(folder.glob("*.safetensors"))
+    assert shards
+    out = []
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            out.append(f.metadata())
+    return out
+
+
+def _warned_of_revision(warnings: list[str]) -> None:
+    (said,) = [w for w in warnings if "revision" in w]
+    assert "'a' in model-00001-of-00002.safetensors" in said
+    assert "'b' in model-00002-of-00002.safetensors" in said
+
+
+def test_reshard_keeps_the_metadata_every_shard_agrees_on(tmp_path: Path) -> None:
+    src = _two_shard_model(tmp_path / "src")
+    dest = tmp_path / "resharded"
+    result = run_ckpt("reshard", src, dest, "--max-shard-size", "20KB", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    metadata = _output_metadata(dest)
+    assert len(metadata) > 1
+    assert all(m == {"format": "pt", "exported_by": "merge-tool 1.2"} for m in metadata)
+    _warned_of_revision(result.json["result"]["warnings"])
+    # the tensors are the source's, bit for bit
+    read = {}
+    for shard in dest.glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            read |= {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    assert torch.equal(read["a.weight"], torch.arange(4096.0).reshape(64, 64))
+    assert sorted(read) == ["a.weight", "b.bias", "b.weight"]
+
+
+def test_convert_keeps_the_metadata_every_shard_agrees_on(tmp_path: Path) -> None:
+    src = _two_shard_model(tmp_path / "src")
+    dest = tmp_path / "converted"
+    result = run_ckpt("convert", src, dest, "--to", "safetensors", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    metadata = _output_metadata(dest)
+    assert all(m == {"format": "pt", "exported_by": "merge-tool 1.2"} for m in metadata)
+    _warned_of_revision(result.json["result"]["warnings"])
+
+    # shards that agree: nothing left out, nothing said
+    same = tmp_path / "same"
+    same.mkdir()
+    for shard in src.glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        save_file(tensors, same / shard.name, metadata={"format": "pt"})
+    (same / "model.safetensors.index.json").write_text(
+        (src / "model.safetensors.index.json").read_text()
+    )
+    quiet = run_ckpt("convert", same, tmp_path / "quiet", "--to", "safetensors", "--json")
+    assert quiet.exit_code == 0, quiet.stdout + quiet.stderr
+    assert not [w for w in quiet.json["result"]["warnings"] if "__metadata__" in w]
+    assert all(m == {"format": "pt"} for m in _output_metadata(tmp_path / "quiet"))
