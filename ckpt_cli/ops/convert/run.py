@@ -905,13 +905,8 @@ def _convert_components(
         dest=dest,
         format=to,
         files=files,
-        tensors=sum(r.tensors for r in reports),
-        objects=sum(r.objects for r in reports),
-        tensor_bytes=sum(r.tensor_bytes for r in reports),
-        raw_copies=sum(r.raw_copies for r in reports),
+        **summed_counts(reports),
         cast=next((r.cast for r in reports if r.cast), None),
-        casts=sum(r.casts for r in reports),
-        renamed=sum(r.renamed for r in reports),
         skipped=skipped,
         read=read,
         extras=carried,
@@ -923,6 +918,19 @@ def _convert_components(
         # components that share a fact (each one's variant renamed by the cast) say it once
         warnings=list(dict.fromkeys(warnings + [w for r in reports for w in r.warnings])),
     )
+
+
+def summed_counts(reports: list[ConvertReport]) -> dict[str, int]:
+    """The counts of several parts' reports (components, rank folders), summed: the report of
+    them all holds these."""
+    return {
+        "tensors": sum(r.tensors for r in reports),
+        "objects": sum(r.objects for r in reports),
+        "tensor_bytes": sum(r.tensor_bytes for r in reports),
+        "raw_copies": sum(r.raw_copies for r in reports),
+        "casts": sum(r.casts for r in reports),
+        "renamed": sum(r.renamed for r in reports),
+    }
 
 
 def _convert_megatron_save(
@@ -1008,13 +1016,8 @@ def _convert_megatron_save(
         dest=dest,
         format=to,
         files=files,
-        tensors=sum(r.tensors for r in reports),
-        objects=sum(r.objects for r in reports),
-        tensor_bytes=sum(r.tensor_bytes for r in reports),
-        raw_copies=sum(r.raw_copies for r in reports),
+        **summed_counts(reports),
         cast=first.cast,
-        casts=sum(r.casts for r in reports),
-        renamed=sum(r.renamed for r in reports),
         skipped=[
             SkippedEntry(
                 name=f, kind="component", reason="every entry left out by --filter/--filter-out"
