@@ -1125,3 +1125,58 @@ def test_a_pushed_run_whose_latest_names_an_alias_names_the_saved_tag(
     assert (back / "latest").read_text() == "step_2"
     assert not (back / "best").exists()
     assert run_ckpt("verify", back).exit_code == 0
+
+
+def test_a_tag_folder_linked_to_another_tag_is_listed_as_its_alias_never_as_a_save(
+    tagged_run: Path, tmp_path: Path
+) -> None:
+    """`ln -s step_2 best` with `latest` naming step_3: `best` has no step in its name, and no
+    `latest` names it, so `ckpt latest`, `inspect RUN` and `prune` did not list it at all, and
+    `inspect RUN/best` did not say it is step_2 under another name. It is listed as an alias
+    of its target (never a save of its own: `--keep-last` does not count it), `prune` keeps
+    the target and the link, dry run and real, and inspecting the link says whose alias it is."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from .run_fixtures import age
+
+    run = shutil.copytree(tagged_run, tmp_path / "run")
+    (run / "best").symlink_to("step_2", target_is_directory=True)
+    (run / "newest").symlink_to("step_3", target_is_directory=True)
+    age(run)
+
+    inspected = run_ckpt("inspect", run / "best", "--json")
+    assert inspected.exit_code == 0, inspected.stderr
+    assert inspected.json["result"]["alias_of"] == "step_2"
+    said = " ".join(run_ckpt("inspect", run / "best").stdout.split())
+    assert "alias of step_2" in said
+    assert run_ckpt("inspect", run / "step_2", "--json").json["result"]["alias_of"] is None
+    out = tmp_path / "best.safetensors"
+    converted = run_ckpt("convert", run / "best", out, "--to", "safetensors", "--select", "model")
+    assert converted.exit_code == 0, converted.stderr
+    expected = get_fp32_state_dict_from_zero_checkpoint(str(run), tag="step_2")
+    got = load_file(out)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v.contiguous()) for k, v in expected.items())
+
+    listing = run_ckpt("latest", run, "--json").json["result"]
+    assert listing["aliases"] == {"best": "step_2", "newest": "step_3"}
+    assert listing["latest"] == str(run / "step_3")
+    assert "best" not in {c["name"] for c in listing["checkpoints"]}
+    table = run_ckpt("inspect", run)
+    assert "best: alias of step_2" in table.stdout and "newest: alias of step_3" in table.stdout
+    assert run_ckpt("inspect", run, "--json").json["result"]["run"]["aliases"]["best"] == "step_2"
+
+    for args in (("--dry-run",), ("--yes",)):
+        pruned = run_ckpt("prune", run, "--keep-last", "1", "--settle", "0", *args, "--json")
+        assert pruned.exit_code == 0, pruned.stdout
+        doc = pruned.json["result"]
+        actions = {d["name"]: d["action"] for d in doc["decisions"]}
+        # an alias is no save: neither counted by --keep-last nor deleted; its target is kept
+        assert actions == {"step_1": "delete", "step_2": "keep", "step_3": "keep"}, actions
+        assert doc["aliases"] == {"best": "step_2", "newest": "step_3"}
+    assert not (run / "step_1").exists()
+    assert (run / "best").is_symlink() and (run / "newest").is_symlink()
+    assert (run / "step_2" / "mp_rank_00_model_states.pt").is_file()
+    plan = run_ckpt("prune", run, "--keep-last", "1", "--settle", "0")
+    assert "best: alias of step_2" in " ".join(plan.stdout.split())
+    assert run_ckpt("verify", run / "best").exit_code == 0

@@ -12,11 +12,12 @@ is left out and named in the warnings.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from .conftest import run_ckpt
 
@@ -102,3 +103,58 @@ def test_convert_keeps_the_metadata_every_shard_agrees_on(tmp_path: Path) -> Non
     assert quiet.exit_code == 0, quiet.stdout + quiet.stderr
     assert not [w for w in quiet.json["result"]["warnings"] if "__metadata__" in w]
     assert all(m == {"format": "pt"} for m in _output_metadata(tmp_path / "quiet"))
+
+
+def test_convert_to_hf_through_a_naming_says_what_the_shards_disagree_on(
+    tmp_path: Path,
+) -> None:
+    """A torchtitan-named model in safetensors shards that disagree on a key, exported `--to
+    hf`: the key was left out of the output without a word (the mapping's view of the
+    checkpoint did not pass the shards' disagreement through)."""
+    from .test_architectures import _llama_hf
+
+    _llama_hf(tmp_path / "hf")
+    titan = tmp_path / "tt"
+    assert run_ckpt("convert", tmp_path / "hf", titan, "--to", "torchtitan").exit_code == 0
+    shards = tmp_path / "tt-shards"
+    cut = run_ckpt("convert", titan, shards, "--to", "safetensors", "--max-shard-size", "20KB")
+    assert cut.exit_code == 0, cut.stderr
+    shutil.copy(titan / "config.json", shards / "config.json")
+    files = sorted(shards.glob("*.safetensors"))
+    assert len(files) > 1
+    # each shard re-saved by safetensors with the revision of the save it came from
+    for revision, shard in zip("ab", files[:2], strict=True):
+        save_file(load_file(shard), shard, metadata={"format": "pt", "revision": revision})
+
+    out = tmp_path / "back"
+    result = run_ckpt("convert", shards, out, "--to", "hf", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    (said,) = [w for w in result.json["result"]["warnings"] if "revision" in w]
+    assert f"'a' in {files[0].name}" in said and f"'b' in {files[1].name}" in said
+    assert "left out of the output" in said
+    assert all("revision" not in m for m in _output_metadata(out))
+    want = load_file(tmp_path / "hf" / "model.safetensors")
+    got: dict[str, torch.Tensor] = {}
+    for shard in out.glob("*.safetensors"):
+        got |= load_file(shard)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_shards_that_disagree_on_format_are_told_the_format_the_output_holds(
+    tmp_path: Path,
+) -> None:
+    """One shard saved with `format: np`, the other with `format: pt`: the warning said
+    `format` was left out of the output, yet the safetensors writer sets `format: pt` in every
+    file (transformers loads no other). It now says the output holds 'pt'."""
+    src = _two_shard_model(tmp_path / "src")
+    second = src / "model-00002-of-00002.safetensors"
+    save_file(load_file(second), second, metadata={"format": "np", "revision": "a"})
+    dest = tmp_path / "converted"
+    result = run_ckpt("convert", src, dest, "--to", "safetensors", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert all(m == {"format": "pt", "revision": "a"} for m in _output_metadata(dest))
+    (said,) = [w for w in result.json["result"]["warnings"] if "'format'" in w]
+    assert "'pt' in model-00001-of-00002.safetensors" in said
+    assert "'np' in model-00002-of-00002.safetensors" in said
+    assert "left out" not in said and "the output holds 'pt'" in said, said

@@ -20,7 +20,7 @@ so the stacked tensor is read once, not E times, and memory stays one input plus
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -140,6 +140,10 @@ class MappedCheckpoint(Checkpoint):
         if tensor is None:
             return set()  # the naming's own objects are read from no file
         return {f for source in tensor.sources for f in self.base.files_of(source)}
+
+    def metadata_left_out(self, written: Mapping[str, str] | None = None) -> list[str]:
+        # the manifest's metadata is the source's: so is what it leaves out
+        return self.base.metadata_left_out(written)
 
     def read_tensor(self, name: str) -> torch.Tensor:
         return self.mapped[name].read(self._reads)

@@ -187,12 +187,14 @@ class Checkpoint(ABC):
             yield self.storage.read(entry.file, entry.offset + done, n)
             done += n
 
-    def metadata_left_out(self) -> list[str]:
+    def metadata_left_out(self, written: Mapping[str, str] | None = None) -> list[str]:
         """The keys of the files' own string metadata (a sharded safetensors model's
         `__metadata__`) that `manifest.metadata` leaves out because the files disagree on
         their value, each a sentence naming the key, its values and their files: what
-        `convert` and `reshard` cannot carry into their output, and warn of. Empty where the
-        files agree, or the format keeps one metadata."""
+        `convert` and `reshard` cannot carry into their output, and warn of. `written` is the
+        metadata the output is written with: a key the writer sets all the same (safetensors'
+        `format: pt`) is said to hold that value, not to be left out. Empty where the files
+        agree, or the format keeps one metadata."""
         return []
 
     def tolerated_problems(self) -> list[Problem]:

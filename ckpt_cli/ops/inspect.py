@@ -6,6 +6,7 @@ import gc
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -27,6 +28,7 @@ from ..sources.layouts import OpenedSource
 from ..sources.layouts.model_folders import LayoutInfo
 from ..sources.opening import open_source
 from ..sources.runs.records import RunReport
+from ..storage import LocalStorage
 from ..storage.uri import parse_location
 from .shared.selection import name_chosen
 from .shared.tree import TreeNode, build_tree, collapse_chains
@@ -65,6 +67,9 @@ class InspectReport(Record):
             `verify` reports too; `ckpt inspect` exits 4 when there are any.
         part_of: what part of a larger checkpoint SRC is, when it is one (a legacy Megatron-LM
             rank folder: one rank's slices of the model), for people; None for a whole one.
+        alias_of: when SRC is a link to another folder beside it (`RUN/best ->
+            global_step100`, as users name a save): that folder's path relative to SRC's
+            parent; SRC reads as that folder. None for anything else.
     """
 
     location: str
@@ -89,6 +94,7 @@ class InspectReport(Record):
     problems: list[Problem] = Field(default_factory=list)
     architecture: NamingInfo | None = None
     part_of: str | None = None
+    alias_of: str | None = None
 
 
 def select(
@@ -223,7 +229,19 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
             # a whole save's rank folders hold slices and each stage's own layers: no model
             architecture=None if opened.ranks else _naming(opened, entries, manifest, stored),
             part_of=opened.part_of,
+            alias_of=_alias_of(src),
         )
+
+
+def _alias_of(src: str) -> str | None:
+    """The folder beside it that a local `src` is a link to (`RUN/best -> global_step100`);
+    None when it is no such link (one leading out of its parent folder included)."""
+    if not parse_location(src).is_local:
+        return None
+    path = Path(src.removeprefix("file://"))
+    if not path.is_symlink():
+        return None
+    return LocalStorage(path.parent).alias_of(path.name)
 
 
 def _naming(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -585,8 +585,8 @@ class DequantizedView(Checkpoint):
     def tolerated_problems(self) -> list[Problem]:
         return self.base.tolerated_problems()
 
-    def metadata_left_out(self) -> list[str]:
-        return self.base.metadata_left_out()
+    def metadata_left_out(self, written: Mapping[str, str] | None = None) -> list[str]:
+        return self.base.metadata_left_out(written)
 
     def close(self) -> None:
         self.base.close()

@@ -285,6 +285,11 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
         )
     if report.part_of is not None:
         stdout.print(f"  part of a larger checkpoint: {escape(report.part_of)}", highlight=False)
+    if report.alias_of is not None:
+        stdout.print(
+            f"  alias of {escape(report.alias_of)}: a link to that folder, read as it",
+            highlight=False,
+        )
     for problem in report.problems:
         # on stderr, so the data on stdout stays what the file holds
         stderr.print(

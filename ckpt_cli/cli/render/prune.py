@@ -65,6 +65,7 @@ def render_run(report: RunReport) -> None:
         )
     if report.checkpoints:
         stdout.print(table)
+    _render_aliases(report.aliases, kept=False)
     stdout.print(f"latest complete: {report.latest or '[red]none[/]'}", soft_wrap=True)
     if report.trainer_best:
         metric = (
@@ -89,6 +90,16 @@ def render_run(report: RunReport) -> None:
         )
     for why in report.left_out:
         stdout.print(f"left out: {why}", soft_wrap=True, markup=False, highlight=False)
+
+
+def _render_aliases(aliases: dict[str, str], *, kept: bool) -> None:
+    """The links to a save of the run (`best -> global_step100`): another name of it, no save
+    of their own; `kept`: said in a prune's plan (the link stays, and so does its save)."""
+    for name, target in aliases.items():
+        note = f" (a link, no save of its own: kept, and {target} with it)" if kept else ""
+        stdout.print(
+            f"{name}: alias of {target}{note}", soft_wrap=True, markup=False, highlight=False
+        )
 
 
 def render_prune(report: PruneReport, *, dry_run: bool = False) -> None:
@@ -147,6 +158,7 @@ def render_prune(report: PruneReport, *, dry_run: bool = False) -> None:
                 markup=False,
                 highlight=False,
             )
+    _render_aliases(report.aliases, kept=True)
     for why in report.left_out:
         stdout.print(f"left out: {why}", soft_wrap=True, markup=False, highlight=False)
     if report.applied:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -396,7 +396,7 @@ class SafetensorsCheckpoint(Checkpoint):
         self.index_metadata: dict[str, Any] = {}
         self._fds: dict[str, int] = {}
 
-    def metadata_left_out(self) -> list[str]:
+    def metadata_left_out(self, written: Mapping[str, str] | None = None) -> list[str]:
         kept = self.manifest.metadata
         held: dict[str, dict[str, list[str]]] = {}  # key -> value -> the shards holding it
         for header in self.headers:
@@ -408,6 +408,13 @@ class SafetensorsCheckpoint(Checkpoint):
             said = "; ".join(
                 f"{shown_metadata(value)} in {', '.join(files)}" for value, files in values.items()
             )
+            if written is not None and key in written:
+                # the writer sets it all the same (`format: pt`, which transformers needs)
+                out.append(
+                    f"__metadata__ key {key!r} differs between the shards ({said}): the "
+                    f"output holds {shown_metadata(written[key])}, the value its writer sets"
+                )
+                continue
             out.append(
                 f"__metadata__ key {key!r} differs between the shards ({said}): left out of "
                 "the output, which holds one value per key (set it again by hand if needed)"

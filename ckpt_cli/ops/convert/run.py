@@ -491,7 +491,7 @@ def convert(
         # the output holds every tensor's values; the source's layout flaw is said anyway
         warnings += [with_fix(p.message, p.fix) for p in checkpoint.tolerated_problems()]
         # shards whose `__metadata__` disagree: the output keeps what they agree on
-        warnings += checkpoint.metadata_left_out()
+        warnings += checkpoint.metadata_left_out(options.metadata)
         if select is None and naming is None:
             warnings += lost_file_warnings(opened)
         if opened.part_of is not None:

@@ -145,6 +145,9 @@ class PruneReport(Record):
         best: best-by-metric, when `--keep-best` was given.
         left_out: files named like checkpoints that are none of the run's, "PATH: why" each
             (never deleted: see `RunReport.left_out`).
+        aliases: links to a save of the run that are no save of their own (`best ->
+            global_step100`): link name -> the save's name (`RunReport.aliases`). Never
+            deleted, never counted by `--keep-last`; the save each names is kept.
     """
 
     run_dir: str
@@ -163,6 +166,7 @@ class PruneReport(Record):
     latest: str | None = None
     best: BestMetric | None = None
     left_out: list[str] = Field(default_factory=list)
+    aliases: dict[str, str] = Field(default_factory=dict)
 
 
 class WatchReport(Record):

@@ -273,6 +273,7 @@ def plan_report(run: RunReport, policy: PrunePolicy, run_dir: str) -> PruneRepor
         latest=run.latest,
         best=run.best,
         left_out=run.left_out,
+        aliases=run.aliases,
     )
 
 

@@ -186,7 +186,7 @@ def regroup(
                 verified=False,
                 dry_run=True,
                 skipped=skipped,
-                warnings=checkpoint.metadata_left_out(),
+                warnings=checkpoint.metadata_left_out(options.metadata),
             )
         from ...quant import analyse_checkpoint
         from ..convert.plan import keep_quantized
@@ -225,7 +225,7 @@ def regroup(
             verified=True,
             ranks=shares,
             skipped=skipped,
-            warnings=checkpoint.metadata_left_out(),
+            warnings=checkpoint.metadata_left_out(options.metadata),
         )
 
 

@@ -200,6 +200,10 @@ class RunReport(Record):
             the run, each as "PATH: why" (a loose file beside a known layout's step folders).
         top_entries: every entry at the run folder's top, name -> whether it is a folder, as
             the scan listed it (not in `--json`: what `sync` names as not carried).
+        aliases: the links at the run folder's top to one of its saves that are no save of
+            their own (`best -> global_step100`, a name users give a save, which no `latest`
+            file names): link name -> the save's name. Never judged, counted (`--keep-last`)
+            or deleted: the save one names is kept (`link-target`).
     """
 
     run_dir: str
@@ -217,6 +221,7 @@ class RunReport(Record):
     root_files: list[str] = Field(default_factory=list)
     left_out: list[str] = Field(default_factory=list)
     top_entries: dict[str, bool] = Field(default_factory=dict, exclude=True)
+    aliases: dict[str, str] = Field(default_factory=dict)
 
     @property
     def newest_complete(self) -> RunCheckpoint | None:

@@ -212,6 +212,7 @@ def scan(
     if ds_latest and report.tracker_problem is None:
         report.tracker_problem = deepspeed_latest_problem(ds_latest, report)
     run.mark_links(checkpoints)
+    report.aliases = _aliases(run, items)
     state = newest_trainer_state(run.storage, checkpoints)
     trainer_doc = None
     if state is not None:
@@ -265,6 +266,22 @@ def _tags_without_latest(run: RunListing, items: list[Found]) -> list[Found]:
             step = deepspeed_states_step(run.storage, name, files)
             found.append(dataclasses.replace(item, step=step))
     return found
+
+
+def _aliases(run: RunListing, items: list[Found]) -> dict[str, str]:
+    """The links at the top of the run folder to one of its save folders that are no
+    candidate of their own (`best -> global_step100`; one `latest` names is a save: judged
+    through the link): link name -> the save's name. Only local folders have links."""
+    saves = {i.rels[0] for i in items if i.is_dir and run.link(i) is None}
+    held = {rel for i in items for rel in i.rels}
+    out: dict[str, str] = {}
+    for name, is_dir in sorted(run.top_entries().items()):
+        if is_dir or name in held:
+            continue  # a folder of its own, or a save (a link `latest` names)
+        target = run.storage.alias_of(name)
+        if target is not None and target in saves:
+            out[name] = target
+    return out
 
 
 def _unnamed_step_tag(run: RunListing, items: list[Found], tag: str | None) -> list[Found]:
