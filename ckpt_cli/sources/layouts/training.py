@@ -527,9 +527,7 @@ def verdict(state: TrainingState) -> None:
     if not state.dataloader or state.dataloader.get("kind") in _NOT_REPLAYED:
         extra.append("dataloader")
     if state.resharded is not None:
-        extra.append(
-            f"the world size it was saved at ({state.resharded['saved_world_size'] or '?'})"
-        )
+        extra.append(_resharded_note(state.resharded))
     state.missing = missing
     state.resumable = not missing
     state.missing_exact = extra
@@ -982,6 +980,19 @@ def _pair_shape_problems(
             )
         )
     return problems
+
+
+def _resharded_note(record: dict[str, int]) -> str:
+    return f"the world size it was saved at ({record['saved_world_size'] or '?'})"
+
+
+def note_resharded(state: TrainingState, source: Source, rel: str) -> None:
+    """`state` (its verdict given) with what the `ckpt-reshard.json` at `rel` of `source` says:
+    a save `ckpt reshard --world-size` cut for another world size resumes, never exactly."""
+    state.resharded = resharded(source, rel)
+    if state.resharded is not None:
+        state.missing_exact.append(_resharded_note(state.resharded))
+        state.exact = False
 
 
 def resharded(source: Source, rel: str) -> dict[str, int] | None:
