@@ -493,9 +493,14 @@ def per_rank_models(checkpoint: Checkpoint, state: TrainingState) -> None:
 #: order after resume the save does not show (accelerate's `dl_state_dict.bin` over a torch
 #: sampler): not exact, with its `reason`
 COUNTED_ONLY = "batch count only"
+#: `TrainingState.dataloader["kind"]` of accelerate's `sampler.bin` saved without
+#: `dl_state_dict.bin`: the epoch's shuffle order (the sampler's epoch and seed), not the position
+#: within it; `load_state` starts the epoch again from its first batch: not exact, with its
+#: `reason`
+EPOCH_ONLY = "seedable sampler"
 #: the data-loader kinds an exact resume lacks: the position is not restored (the Trainer's
-#: `ignore_data_skip`), or it is restored in an order the save does not show
-_NOT_REPLAYED = ("not replayed", COUNTED_ONLY)
+#: `ignore_data_skip`), restored in an order the save does not show, or not saved (the epoch)
+_NOT_REPLAYED = ("not replayed", COUNTED_ONLY, EPOCH_ONLY)
 
 
 def verdict(state: TrainingState) -> None:
@@ -650,6 +655,13 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
             "use_seedable_sampler=True) and call the prepared loader's set_epoch(epoch) at "
             "each epoch: the resumed run then draws the saved run's order, which the save "
             "cannot show (a restart test compared with `ckpt diff` can)."
+        )
+    elif kind == EPOCH_ONLY and isinstance(reason, str):
+        # the epoch's order restored, not the position in it (accelerate's sampler.bin alone)
+        labels["dataloader"] = f"the data position within the epoch is not saved ({reason})"
+        fixes["dataloader"] = (
+            f"For an exact resume, {_STATEFUL_LOADER}; or resume from a save made at an "
+            "epoch's end (the save does not show whether it was)."
         )
     elif isinstance(reason, str):
         # saved, but the framework will not restore it (the Trainer's ignore_data_skip)
