@@ -112,6 +112,8 @@ def test_a_pickled_seedable_sampler_is_read_as_data_and_the_save_is_whole(
         assert training["components"]["dataloader"] == "dl_state_dict.bin"
         assert training["dataloader"]["source"] == "dataloader."
     else:
+        # the epoch's order, not the position in it (see the test below)
+        assert "not how far into the epoch" in training["dataloader"].pop("reason")
         assert training["dataloader"] == {
             "kind": "seedable sampler",
             "file": "sampler.bin",
@@ -255,4 +257,65 @@ def test_a_sampler_of_a_dataset_held_in_memory_is_named_by_its_class(tmp_path: P
     assert verify.exit_code == 0, verify.stdout + verify.stderr
     training = run_ckpt("inspect", save, "--json").json["result"]["training"]
     assert training["components"]["sampler"] == "sampler.bin (SeedableRandomSampler)"
+    assert training["dataloader"].pop("reason")
     assert training["dataloader"] == {"kind": "seedable sampler", "file": "sampler.bin"}
+
+
+def test_a_seedable_sampler_alone_saves_no_position_within_the_epoch(tmp_path: Path) -> None:
+    """`sampler.bin` without `dl_state_dict.bin`: the sampler's epoch and seed (the epoch's
+    shuffle order), not how far into the epoch the run was. accelerate's own `load_state`
+    sets the sampler back and the resumed loader starts the epoch again from its first batch
+    (unless the script calls `skip_first_batches`), so a save mid-epoch resumes, not exactly:
+    `verify --exact` called it exact. It now says what is missing and names the setting that
+    saves the position."""
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DataLoaderConfiguration, save, set_seed
+
+    def prepared() -> tuple[Accelerator, Any, Any, Any, Any]:
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        set_seed(0)
+        config = DataLoaderConfiguration(use_seedable_sampler=True)
+        accelerator = Accelerator(cpu=True, dataloader_config=config)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+        rows = torch.utils.data.TensorDataset(torch.arange(64, dtype=torch.float32).view(16, 4))
+        loader = torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True)
+        return accelerator, *accelerator.prepare(model, optimizer, scheduler, loader)
+
+    accelerator, model, optimizer, scheduler, loader = prepared()
+    # the saved run: 3 steps on an epoch's 4 batches, save_state (and the sampler as its
+    # writer saves it), then the batch the run went on to draw
+    batches = iter(loader)
+    seen = []
+    for _ in range(3):
+        (x,) = next(batches)
+        seen.append(x)
+        accelerator.backward(model(x).square().mean())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    save_dir = tmp_path / "step_3"
+    accelerator.save_state(str(save_dir))
+    save(loader.get_sampler(), save_dir / "sampler.bin", safe_serialization=False)
+    assert not (save_dir / "dl_state_dict.bin").exists()
+    went_on = next(batches)[0]
+
+    # accelerate's own resume of the save: the epoch again from its first batch
+    accelerator, *_, loader = prepared()
+    accelerator.load_state(str(save_dir))
+    resumed = next(iter(loader))[0]
+    assert torch.equal(resumed, seen[0]) and not torch.equal(resumed, went_on)
+
+    result = run_ckpt("verify", "--exact", save_dir, "--json")
+    assert result.exit_code == 1, result.stdout
+    training = result.json["result"]["training"]
+    assert training["resumable"] is True and training["exact"] is False
+    assert "dataloader" in training["missing_exact"]
+    problem = {p["code"]: p for p in result.json["result"]["problems"]}["missing_dataloader"]
+    assert "sampler.bin" in problem["message"] and "skip_first_batches" in problem["message"]
+    assert "use_stateful_dataloader=True" in problem["fix"]
+    assert run_ckpt("verify", "--resumable", save_dir).exit_code == 0

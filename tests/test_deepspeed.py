@@ -1180,3 +1180,37 @@ def test_a_tag_folder_linked_to_another_tag_is_listed_as_its_alias_never_as_a_sa
     plan = run_ckpt("prune", run, "--keep-last", "1", "--settle", "0")
     assert "best: alias of step_2" in " ".join(plan.stdout.split())
     assert run_ckpt("verify", run / "best").exit_code == 0
+
+
+def test_a_trainer_deepspeed_save_resharded_to_another_world_size_is_not_called_exact(
+    trainer_zero_run: Path, tmp_path: Path
+) -> None:
+    """A Trainer checkpoint under ZeRO-2 resumes exactly (every rank's RNG file, the data
+    position); cut for 3 ranks with `--rank-state replicate` it held an RNG file for every rank
+    and `verify --exact` called it exact, though each rank reads another shard of the data. The
+    tag folder now records the world size the run saved it at, and verify says not exactly."""
+    src = trainer_zero_run / "checkpoint-4"
+    assert run_ckpt("verify", "--exact", src).exit_code == 0
+    out = tmp_path / "checkpoint-4"
+    args = ("--world-size", "3", "--rank-state", "replicate", "--json")
+    planned = run_ckpt("reshard", src, tmp_path / "plan", *args, "--dry-run")
+    assert planned.exit_code == 0, planned.stdout + planned.stderr
+    record_at = "global_step4/ckpt-reshard.json"
+    assert record_at in {f["path"] for f in planned.json["result"]["files"]}
+    done = run_ckpt("reshard", src, out, *args)
+    assert done.exit_code == 0, done.stdout + done.stderr
+    assert record_at in {f["path"] for f in done.json["result"]["files"]}
+    record = json.loads((out / record_at).read_text())
+    assert (record["saved_world_size"], record["world_size"]) == (2, 3)
+    exact = run_ckpt("verify", "--exact", out, "--json")
+    assert exact.exit_code == 1, exact.stdout
+    training = exact.json["result"]["training"]
+    assert training["resumable"] is True and training["exact"] is False
+    assert training["resharded"] == {"saved_world_size": 2, "world_size": 3}
+    codes = {p["code"]: p for p in exact.json["result"]["problems"]}
+    assert codes["resharded_world_size"]["severity"] == "error"
+    assert run_ckpt("verify", "--resumable", out).exit_code == 0
+    # DeepSpeed's own reader still rebuilds the source's weights from the re-cut tag folder
+    rebuilt, expected = _reference(out), _reference(src)
+    assert rebuilt.keys() == expected.keys()
+    assert all(torch.equal(rebuilt[k], v) for k, v in expected.items())

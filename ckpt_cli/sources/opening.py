@@ -26,7 +26,7 @@ from ..formats import (
     resolve_source,
 )
 from ..formats.base import Checkpoint, Source
-from ..formats.names import DCP_METADATA
+from ..formats.names import DCP_METADATA, RESHARD_RECORD
 from ..models import Problem
 from .layouts import open_folder_layout
 from .layouts.base import OpenedSource, open_as_format
@@ -105,7 +105,14 @@ def open_source(src: str | Source, format: str | None = None) -> OpenedSource:
         return OpenedSource(checkpoint=checkpoint, layout=layout)
     from .layouts.torch_dict import analyse_single
 
-    return OpenedSource(checkpoint=checkpoint, training=analyse_single(checkpoint), layout=layout)
+    training = analyse_single(checkpoint)
+    if training is not None and saved_as.folder:
+        # a DCP training save `ckpt reshard --world-size` cut for another number of ranks: its
+        # file names say the new one, its record the one the run saved it at
+        from .layouts.training import note_resharded
+
+        note_resharded(training, source, RESHARD_RECORD)
+    return OpenedSource(checkpoint=checkpoint, training=training, layout=layout)
 
 
 class SourceOpener:

@@ -19,7 +19,6 @@ world size changes: the Trainer's `train_batch_size` x ranks).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import cast
 
@@ -31,13 +30,18 @@ from ...formats.names import DCP_DATA_SUFFIX, DCP_METADATA, RESHARD_RECORD
 from ...models import FileInfo
 from ...progress import NULL_PROGRESS, Progress
 from ...sources.layouts.base import Layout, OpenedSource
-from ...sources.layouts.training import resharded
 from ...storage import safe_relpath
 from ...storage.output import check_destination
 from ..convert.plan import guard_paths, local_dest
 from ..shared.selection import refuse_lost_files
 from ..shared.transfer import SkippedEntry
-from .rank_files import copy_verbatim, missing_rank_files, rank_file_plan
+from .rank_files import (
+    copy_verbatim,
+    missing_rank_files,
+    rank_file_plan,
+    reshard_record,
+    with_record,
+)
 from .report import (
     RankFile,
     RankStateChoice,
@@ -222,9 +226,7 @@ def reshard_folder(
         record = reshard_record(source, before, world_size, action)
         if dry_run:
             report.files = _planned(cuts, carried, files_out, source)
-            if record is not None:
-                report.files = [f for f in report.files if f.path != RESHARD_RECORD]
-                report.files.append(FileInfo(path=RESHARD_RECORD, size=len(record)))
+            report.files = with_record(report.files, record)
             report.dry_run = True
             return report
 
@@ -246,10 +248,7 @@ def reshard_folder(
             for item in files_out
             for name in item.written
         ]
-        if record is not None:
-            written = [f for f in written if f.path != RESHARD_RECORD]
-            written.append(FileInfo(path=RESHARD_RECORD, size=len(record)))
-        report.files = written
+        report.files = with_record(written, record)
         report.verified = True
         from ...dist.command import RankShare
 
@@ -324,25 +323,6 @@ def _carried(
         else:
             carried.append(rel)
     return carried, skipped
-
-
-def reshard_record(source: Source, before: int, after: int, action: str | None) -> bytes | None:
-    """The `ckpt-reshard.json` a world-size cut of `source` (from `before` ranks to `after`)
-    writes into its output, or None when the world size stays. It names the world size the
-    run saved the folder at (an earlier cut's record says it, else `before`), which `verify`
-    and `inspect` read: a resume at another world size is never exact."""
-    if before == after:
-        return None
-    earlier = resharded(source, RESHARD_RECORD)
-    saved = earlier["saved_world_size"] if earlier and earlier["saved_world_size"] else before
-    record = {
-        "ckpt_reshard": 1,
-        "saved_world_size": saved,
-        "source_world_size": before,
-        "world_size": after,
-        "rank_state": action,
-    }
-    return (json.dumps(record, indent=2) + "\n").encode()
 
 
 def _planned(

@@ -3,15 +3,19 @@
 Shared by the two folder reshards (`folder.py`: DCP sub-folders; `zero.py`: a DeepSpeed ZeRO
 tag folder): what each per-rank file (`rng_state_{r}.pth`, `random_states_{r}.pkl`) becomes
 under `--rank-state`, the note for the ranks of a new world that find none, and the block-wise
-copy of every file carried unchanged.
+copy of every file carried unchanged; and the `ckpt-reshard.json` a cut for another world
+size writes (the world size the run saved it at, which `verify` reads).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 from ...formats.base import Source
+from ...formats.names import RESHARD_RECORD
+from ...models import FileInfo
 from ...sizes import counted
 from ...sources.layouts.base import Layout
 from .report import RankFile, RankStateAction
@@ -80,3 +84,39 @@ def copy_verbatim(source: Source, rel: str, target: Path) -> None:
         return
     with source.storage.open(rel) as src, target.open("wb") as dst:
         shutil.copyfileobj(src, dst, 8 << 20)
+
+
+def reshard_record(
+    source: Source, before: int, after: int, action: str | None, rel: str = RESHARD_RECORD
+) -> bytes | None:
+    """The `ckpt-reshard.json` a world-size cut of `source` (from `before` ranks to `after`)
+    writes into its output at `rel`, or None when the world size stays. It names the world size
+    the run saved the folder at (an earlier cut's record at `rel` says it, else `before`), which
+    `verify` and `inspect` read: a resume at another world size is never exact."""
+    if before == after:
+        return None
+    # imported here: the plain DCP re-cut (`world.py`) loads no training layout until it cuts
+    # a training save (start-up)
+    from ...sources.layouts.training import resharded
+
+    earlier = resharded(source, rel)
+    saved = earlier["saved_world_size"] if earlier and earlier["saved_world_size"] else before
+    record = {
+        "ckpt_reshard": 1,
+        "saved_world_size": saved,
+        "source_world_size": before,
+        "world_size": after,
+        "rank_state": action,
+    }
+    return (json.dumps(record, indent=2) + "\n").encode()
+
+
+def with_record(
+    files: list[FileInfo], record: bytes | None, rel: str = RESHARD_RECORD
+) -> list[FileInfo]:
+    """`files` (what a re-cut wrote or would write) with `record` at `rel`, in place of one
+    carried from the source (an older cut's)."""
+    if record is None:
+        return files
+    kept = [f for f in files if f.path != rel]
+    return [*kept, FileInfo(path=rel, size=len(record))]

@@ -45,6 +45,7 @@ from ...formats import get_format, resolve_source
 from ...formats.base import Checkpoint, Format, Source, WriteOptions, Writer
 from ...formats.dcp import rank_chunk, rank_file
 from ...formats.details import DcpDetails
+from ...formats.names import RESHARD_RECORD
 from ...heap import gc_paused
 from ...models import Chunk, Entry, FileInfo, Manifest, TrainingState
 from ...progress import NULL_PROGRESS, CountingProgress, Progress
@@ -69,6 +70,7 @@ from ..shared.transfer import (
     copy_files,
     extra_files,
 )
+from .rank_files import reshard_record, with_record
 from .report import (
     RankStateAction,
     RankStateChoice,
@@ -404,13 +406,30 @@ def reshard_world_size(
                 "saved at another world size (--rank-state replicate sets it)"
             )
         report.resume = resume_verdict(training, report, notes)
+        # a training save cut for another world size records the one the run saved it at: the
+        # new file names say only the new one (verify: not exactly). Not a plain model, nor
+        # weights with a counter: nothing of theirs depends on the number of ranks
+        held = training if format is None else _training_of(checkpoint)
+        trains = held is not None and bool(held.optimizer or held.rng or held.dataloader)
+        record = (
+            reshard_record(checkpoint.source, report.source_world_size or 1, world_size, action)
+            if trains or action is not None
+            else None
+        )
         if dry_run:
             report.files = planned_rank_files(cut.fmt, cut.plan, world_size)
+            report.files = with_record(report.files, record)
             report.extras = cut.extras  # copied beside the weights by the real run too
             report.dry_run = True
             return report
-        result = write_cuts([cut], out, force, progress)
-        report.files = [FileInfo.model_validate(f) for f in result["files"]]
+
+        def carry(staging: Path) -> None:
+            if record is not None:
+                # after the extras: a record the source had says an older cut
+                (staging / RESHARD_RECORD).write_bytes(record)
+
+        result = write_cuts([cut], out, force, progress, carry)
+        report.files = with_record([FileInfo.model_validate(f) for f in result["files"]], record)
         report.extras = cut.extras
         report.verified = True
         report.ranks = [RankShare.model_validate(r) for r in result["shares"]]

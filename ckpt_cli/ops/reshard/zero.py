@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ...dtypes import itemsize
 from ...errors import FormatError, UsageError
 from ...formats.base import Source
-from ...formats.names import is_commit_marker
+from ...formats.names import RESHARD_RECORD, is_commit_marker
 from ...formats.torch.load import InertObject, load_torch_file
 from ...formats.torch.zip_index import TensorLayout, TorchZipIndex, index_torch_zip
 from ...formats.torch.zip_write import Reduced, TorchZipWriter, write_record
@@ -68,7 +68,13 @@ from ...storage import safe_relpath
 from ...storage.output import check_destination, staged_output
 from ..convert.plan import guard_paths, local_dest
 from ..shared.transfer import SkippedEntry
-from .rank_files import copy_verbatim, missing_rank_files, rank_file_plan
+from .rank_files import (
+    copy_verbatim,
+    missing_rank_files,
+    rank_file_plan,
+    reshard_record,
+    with_record,
+)
 from .report import RankStateChoice, ReshardedPart, ReshardReport
 from .request import ReshardRequest
 from .world import check_world_options, rank_state_choice, resume_verdict
@@ -250,12 +256,17 @@ def reshard_zero(
     notes = notes + missing_rank_files(layout, files_out, rank_files, world_size, save.world)
     report.resume = resume_verdict(opened.training, report, notes)
     written = _output_names(save, world_size)
+    # in the tag folder: the world size the run saved it at, which the re-cut model states no
+    # longer say (verify: resumable, not exactly)
+    at = f"{save.base}{RESHARD_RECORD}"
+    record = reshard_record(source, save.world, world_size, action if rank_files else None, at)
     if dry_run:
         report.files = [FileInfo(path=f"{save.base}{n}") for n in written]
         report.files += [FileInfo(path=r, size=source.files.get(r)) for r in carried]
         report.files += [
             FileInfo(path=n, size=source.files.get(i.path)) for i in files_out for n in i.written
         ]
+        report.files = with_record(report.files, record, at)
         report.dry_run = True
         return report
     counted = CountingProgress(progress)
@@ -270,10 +281,13 @@ def reshard_zero(
                 for name in item.written:
                     copy_verbatim(source, item.path, staging / safe_relpath(name, source=src))
                     files.append(FileInfo(path=name, size=source.files.get(item.path)))
+            if record is not None:
+                # written after what was carried: a record the source had says an older cut
+                (staging / safe_relpath(at, source=src)).write_bytes(record)
             check_recut(opened, staging)
     finally:
         counted.finish()
-    report.files = files
+    report.files = with_record(files, record, at)
     report.verified = True
     return report
 

@@ -51,6 +51,7 @@ from .ranks import (
 from .save_before import LOST_SINCE_FIX, lost_since, save_before
 from .training import (
     COUNTED_ONLY,
+    EPOCH_ONLY,
     all_models,
     all_schedulers,
     analyse,
@@ -300,7 +301,17 @@ def _add_samplers(folder: Folder) -> list[dict[str, object]]:
             "so it is not loaded: it is carried as it is where the copy keeps accelerate's "
             "layout (reshard, sync), copy it by hand otherwise",
         )
-        summaries.append({"kind": "seedable sampler", "file": name, **shown})
+        summaries.append(
+            {
+                "kind": EPOCH_ONLY,
+                "file": name,
+                **shown,
+                "reason": f"{name} holds the sampler's epoch and seed, the epoch's shuffle "
+                "order, not how far into the epoch the run was: load_state starts the epoch "
+                "again from its first batch, unless the script skips the batches trained on "
+                "(skip_first_batches), which the save does not show",
+            }
+        )
     return summaries
 
 

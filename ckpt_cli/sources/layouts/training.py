@@ -493,9 +493,14 @@ def per_rank_models(checkpoint: Checkpoint, state: TrainingState) -> None:
 #: order after resume the save does not show (accelerate's `dl_state_dict.bin` over a torch
 #: sampler): not exact, with its `reason`
 COUNTED_ONLY = "batch count only"
+#: `TrainingState.dataloader["kind"]` of accelerate's `sampler.bin` saved without
+#: `dl_state_dict.bin`: the epoch's shuffle order (the sampler's epoch and seed), not the position
+#: within it; `load_state` starts the epoch again from its first batch: not exact, with its
+#: `reason`
+EPOCH_ONLY = "seedable sampler"
 #: the data-loader kinds an exact resume lacks: the position is not restored (the Trainer's
-#: `ignore_data_skip`), or it is restored in an order the save does not show
-_NOT_REPLAYED = ("not replayed", COUNTED_ONLY)
+#: `ignore_data_skip`), restored in an order the save does not show, or not saved (the epoch)
+_NOT_REPLAYED = ("not replayed", COUNTED_ONLY, EPOCH_ONLY)
 
 
 def verdict(state: TrainingState) -> None:
@@ -527,9 +532,7 @@ def verdict(state: TrainingState) -> None:
     if not state.dataloader or state.dataloader.get("kind") in _NOT_REPLAYED:
         extra.append("dataloader")
     if state.resharded is not None:
-        extra.append(
-            f"the world size it was saved at ({state.resharded['saved_world_size'] or '?'})"
-        )
+        extra.append(_resharded_note(state.resharded))
     state.missing = missing
     state.resumable = not missing
     state.missing_exact = extra
@@ -652,6 +655,13 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
             "use_seedable_sampler=True) and call the prepared loader's set_epoch(epoch) at "
             "each epoch: the resumed run then draws the saved run's order, which the save "
             "cannot show (a restart test compared with `ckpt diff` can)."
+        )
+    elif kind == EPOCH_ONLY and isinstance(reason, str):
+        # the epoch's order restored, not the position in it (accelerate's sampler.bin alone)
+        labels["dataloader"] = f"the data position within the epoch is not saved ({reason})"
+        fixes["dataloader"] = (
+            f"For an exact resume, {_STATEFUL_LOADER}; or resume from a save made at an "
+            "epoch's end (the save does not show whether it was)."
         )
     elif isinstance(reason, str):
         # saved, but the framework will not restore it (the Trainer's ignore_data_skip)
@@ -982,6 +992,19 @@ def _pair_shape_problems(
             )
         )
     return problems
+
+
+def _resharded_note(record: dict[str, int]) -> str:
+    return f"the world size it was saved at ({record['saved_world_size'] or '?'})"
+
+
+def note_resharded(state: TrainingState, source: Source, rel: str) -> None:
+    """`state` (its verdict given) with what the `ckpt-reshard.json` at `rel` of `source` says:
+    a save `ckpt reshard --world-size` cut for another world size resumes, never exactly."""
+    state.resharded = resharded(source, rel)
+    if state.resharded is not None:
+        state.missing_exact.append(_resharded_note(state.resharded))
+        state.exact = False
 
 
 def resharded(source: Source, rel: str) -> dict[str, int] | None:
