@@ -6,7 +6,6 @@ import gc
 import os
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -236,10 +235,9 @@ def _inspect(src: str, request: InspectRequest) -> InspectReport:
 def _alias_of(src: str) -> str | None:
     """The folder beside it that a local `src` is a link to (`RUN/best -> global_step100`);
     None when it is no such link (one leading out of its parent folder included)."""
-    if not parse_location(src).is_local:
-        return None
-    path = Path(src.removeprefix("file://"))
-    if not path.is_symlink():
+    location = parse_location(src)
+    path = location.path
+    if not location.is_local or path is None or not path.is_symlink():
         return None
     return LocalStorage(path.parent).alias_of(path.name)
 
