@@ -158,3 +158,41 @@ def test_shards_that_disagree_on_format_are_told_the_format_the_output_holds(
     assert "'pt' in model-00001-of-00002.safetensors" in said
     assert "'np' in model-00002-of-00002.safetensors" in said
     assert "left out" not in said and "the output holds 'pt'" in said, said
+
+
+def test_a_reshard_of_shards_that_disagree_on_format_is_loaded_by_accelerate(
+    tmp_path: Path,
+) -> None:
+    """`reshard` keeps the source's metadata, but a `format` the shards disagreed on was left
+    out: accelerate's loader (`load_checkpoint_in_model`, `load_checkpoint_and_dispatch`)
+    refuses a file whose metadata lacks `format` ("does not contain the valid metadata"). The
+    output now holds `format: pt`, and the warning says so."""
+    from accelerate.utils.modeling import load_state_dict
+
+    src = _two_shard_model(tmp_path / "src")
+    second = src / "model-00002-of-00002.safetensors"
+    save_file(load_file(second), second, metadata={"format": "np", "revision": "a"})
+    dest = tmp_path / "resharded"
+    result = run_ckpt("reshard", src, dest, "--max-shard-size", "20KB", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert all(m == {"format": "pt", "revision": "a"} for m in _output_metadata(dest))
+    (said,) = [w for w in result.json["result"]["warnings"] if "'format'" in w]
+    assert "the output holds 'pt'" in said, said
+    read: dict[str, torch.Tensor] = {}
+    for shard in dest.glob("*.safetensors"):
+        read |= load_state_dict(str(shard))
+    assert sorted(read) == ["a.weight", "b.bias", "b.weight"]
+    assert torch.equal(read["a.weight"], torch.arange(4096.0).reshape(64, 64))
+
+
+def test_a_reshard_keeps_a_format_every_shard_agrees_on(tmp_path: Path) -> None:
+    """A model saved with `format: flax` in every shard keeps it: reshard changes the cut,
+    not what the files say they are."""
+    src = _two_shard_model(tmp_path / "src")
+    for shard in src.glob("*.safetensors"):
+        save_file(load_file(shard), shard, metadata={"format": "flax"})
+    dest = tmp_path / "resharded"
+    result = run_ckpt("reshard", src, dest, "--max-shard-size", "20KB", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert all(m == {"format": "flax"} for m in _output_metadata(dest))
+    assert not [w for w in result.json["result"]["warnings"] if "__metadata__" in w]

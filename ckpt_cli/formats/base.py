@@ -576,6 +576,15 @@ class Format(ABC):
         return {**metadata, **aliases, **cls.required_metadata}
 
     @classmethod
+    def resharded_metadata(cls, metadata: Mapping[str, str]) -> dict[str, str]:
+        """The string metadata a reshard writes: the source's as it is (a `format: tf` stays
+        `tf`), with what loaders need where the source does not say it (shards that disagree on
+        `format`, or never wrote it: accelerate refuses a file whose metadata lacks it)."""
+        if not cls.string_metadata:
+            return dict(metadata)
+        return {**cls.required_metadata, **metadata}
+
+    @classmethod
     def entry_files(cls, manifest: Manifest) -> set[str]:
         """The files a checkpoint's entries are read from (never copied beside an output)."""
         used = {f.path for f in manifest.files if f.entries}

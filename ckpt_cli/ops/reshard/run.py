@@ -156,7 +156,7 @@ def regroup(
         skipped = _skipped_files(checkpoint, plan, [*carried, *extra], left_out, opened)
         options = WriteOptions(
             max_shard_size=max_shard_size,
-            metadata=dict(manifest.metadata),
+            metadata=fmt.resharded_metadata(manifest.metadata),
             basename=_basename(checkpoint),
         )
         if format is None:
