@@ -1209,6 +1209,9 @@ def test_a_trainer_deepspeed_save_resharded_to_another_world_size_is_not_called_
     assert training["resharded"] == {"saved_world_size": 2, "world_size": 3}
     codes = {p["code"]: p for p in exact.json["result"]["problems"]}
     assert codes["resharded_world_size"]["severity"] == "error"
+    # the message names the record where it is: in the tag folder, not beside `latest`
+    assert f"({record_at})" in codes["resharded_world_size"]["message"]
+    assert training["reshard_record"] == record_at
     assert run_ckpt("verify", "--resumable", out).exit_code == 0
     # DeepSpeed's own reader still rebuilds the source's weights from the re-cut tag folder
     rebuilt, expected = _reference(out), _reference(src)

@@ -713,7 +713,7 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
             Problem(
                 code="resharded_world_size",
                 message=f"{where}: `ckpt reshard` cut it from the {was} rank(s) the run saved "
-                f"it at for {now} ({RESHARD_RECORD}): every rank reads another shard of the data "
+                f"it at for {now} ({state.reshard_record or RESHARD_RECORD}): every rank reads another shard of the data "
                 "and draws from another RNG stream than the saved run did; resumable, but not "
                 "exactly",
                 file=where,
@@ -1003,6 +1003,7 @@ def note_resharded(state: TrainingState, source: Source, rel: str) -> None:
     a save `ckpt reshard --world-size` cut for another world size resumes, never exactly."""
     state.resharded = resharded(source, rel)
     if state.resharded is not None:
+        state.reshard_record = rel
         state.missing_exact.append(_resharded_note(state.resharded))
         state.exact = False
 
@@ -1037,7 +1038,10 @@ def finish(
     save not resumable, a rank's lost RNG states not exactly."""
     if folder is not None:
         state.unreadable = dict(folder.unreadable)
-        state.resharded = resharded(folder.source, folder.rel(RESHARD_RECORD))
+        record = folder.rel(RESHARD_RECORD)
+        state.resharded = resharded(folder.source, record)
+        if state.resharded is not None:
+            state.reshard_record = record
         # a rank's RNG file the save before held (`ranks_lost_since`) was lost, not perhaps on
         # another node's disk: one problem for the file, the certain one
         certain = {p.file for p in folder.problems if p.code == "missing_rank_rng"}
