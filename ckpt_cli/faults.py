@@ -161,7 +161,9 @@ class HeldStopSignals:
             return
         for signum in STOP_SIGNALS:
             handler = signal.getsignal(signum)
-            if handler is not None:  # None: set outside Python, which could not be put back
+            # None: set outside Python, which could not be put back; an ignored signal
+            # (`nohup`'s SIGHUP) has nothing to hold
+            if handler is not None and handler != signal.SIG_IGN:
                 self.previous[signum] = handler
                 signal.signal(signum, self._note)
 
@@ -219,11 +221,18 @@ def close_pool(pool: Executor) -> None:
 
 
 def install_handlers() -> None:
-    """Handle SIGINT, SIGTERM and SIGHUP in the main thread (no-op elsewhere)."""
+    """Handle SIGINT, SIGTERM and SIGHUP in the main thread (no-op elsewhere).
+
+    A signal the process started with ignored stays ignored, as Python leaves an ignored
+    SIGINT: `nohup` ignores SIGHUP so that a download outlives its terminal, and a shell's
+    background job (`ckpt sync … &` in a script) ignores SIGINT so that a Ctrl-C meant for the
+    foreground leaves it running. Handling them anyway ended such a run with 129 or 130.
+    """
     if threading.current_thread() is not threading.main_thread():
         return
     for signum in STOP_SIGNALS:
-        signal.signal(signum, _handler)
+        if signal.getsignal(signum) != signal.SIG_IGN:
+            signal.signal(signum, _handler)
 
 
 def interruption(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,6 +20,22 @@ from ckpt_cli.cli.app import get_app
 from . import framework_marks
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _stop_signals_as_from_a_terminal() -> None:
+    """A suite started as a shell's background job (`make test &` in a script) or under
+    `nohup` inherits SIGINT or SIGHUP ignored, in every worker and every `ckpt` it starts; ckpt
+    keeps an ignored signal ignored, as `nohup` asks, so the tests that send one would see
+    nothing happen. They test ckpt as a terminal starts it: with its stop signals live.
+    (`test_faults.py` starts a `ckpt` with them ignored on purpose.)"""
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGHUP: signal.SIG_DFL}
+    defaults[signal.SIGTERM] = signal.SIG_DFL
+    for signum, handler in defaults.items():
+        if signal.getsignal(signum) == signal.SIG_IGN:
+            signal.signal(signum, handler)
+
+
+_stop_signals_as_from_a_terminal()
 
 # fixture modules shared across test files
 pytest_plugins = [

@@ -1009,6 +1009,73 @@ def test_a_signal_during_start_up_still_gives_the_json_envelope(
     assert envelope["error"]["fix"] and "Traceback" not in stderr, stderr
 
 
+IGNORED_THEN_SIGNALLED = textwrap.dedent(
+    """
+    import os, sys, time
+
+    sys.argv = ["ckpt", *sys.argv[1:]]
+
+    class Held:
+        # once the handlers are in: the command's own module, imported inside typer's run
+        def find_spec(self, name, path=None, target=None):
+            if name == "ckpt_cli.ops.inspect":
+                sys.meta_path.remove(self)
+                print("held", os.getpid(), flush=True)
+                time.sleep(3)  # the signal comes now; an ignored one leaves the sleep whole
+            return None
+
+    sys.meta_path.insert(0, Held())
+    from ckpt_cli.__main__ import entry
+    entry()
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("launch", "signum"),
+    [
+        # `nohup ckpt download … &`, then the terminal closes
+        ("nohup {python} -c {script} {args}", signal.SIGHUP),
+        # a script's background job: the shell ignores SIGINT in it, so that a Ctrl-C meant
+        # for the foreground leaves it running
+        ("{python} -c {script} {args} & wait", signal.SIGINT),
+    ],
+    ids=["nohup-SIGHUP", "background-job-SIGINT"],
+)
+def test_a_signal_the_process_started_with_ignored_stays_ignored(
+    tmp_path: Path, launch: str, signum: int
+) -> None:
+    """`nohup ckpt …` is how a long download or sync is made to outlive its terminal, yet
+    ckpt handled SIGHUP anyway: the hang-up ended it with 129. An ignored signal now stays
+    ignored, as Python itself leaves an ignored SIGINT."""
+    import shlex
+
+    src = tmp_path / "m.safetensors"
+    save_file(weights(1), src)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    command = launch.format(
+        python=shlex.quote(sys.executable),
+        script=shlex.quote(IGNORED_THEN_SIGNALLED),
+        args=shlex.join(["inspect", str(src), "--json"]),
+    )
+    proc = subprocess.Popen(
+        ["sh", "-c", command],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.stdout is not None
+    said, pid = proc.stdout.readline().split()
+    assert said == "held", proc.communicate()
+    os.kill(int(pid), signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    report = json.loads(stdout)
+    assert report["exit_code"] == 0 and report["result"]["tensors"] == len(weights(1)), report
+
+
 # -- exploratory run (faults): the file named is the one that failed -------------------------
 
 
