@@ -1217,3 +1217,43 @@ def test_a_trainer_deepspeed_save_resharded_to_another_world_size_is_not_called_
     rebuilt, expected = _reference(out), _reference(src)
     assert rebuilt.keys() == expected.keys()
     assert all(torch.equal(rebuilt[k], v) for k, v in expected.items())
+
+
+def test_diff_of_two_zero_saves_names_the_one_component_that_differs(
+    zero_runs: Path, tmp_path: Path
+) -> None:
+    """A guard: `diff` of a ZeRO-2 save against a copy whose one rank partition holds another
+    moment of one element (or whose scheduler moved on) names that entry alone."""
+    src = zero_runs / "zero2"
+    tag = next(src.glob("global_step*")).name
+
+    def changed(name: str, file: str, change: Any) -> Path:
+        dest = shutil.copytree(src, tmp_path / name)
+        state = torch.load(dest / tag / file, weights_only=False)
+        with torch.no_grad():
+            change(state)
+        torch.save(state, dest / tag / file)
+        return dest
+
+    partition = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    moment = changed(
+        "moment",
+        partition,
+        lambda s: s["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"][3].add_(
+            1
+        ),
+    )
+    scheduler = changed(
+        "scheduler",
+        "mp_rank_00_model_states.pt",
+        lambda s: s["lr_scheduler"].update(last_batch_iteration=5),
+    )
+    for other, name in (
+        (moment, "optim_states_1.optimizer_state_dict.base_optimizer_state.state.0.exp_avg"),
+        (scheduler, "model_states.lr_scheduler.last_batch_iteration"),
+    ):
+        result = run_ckpt("diff", src, other, "--json")
+        assert result.exit_code == 1, result.stdout + result.stderr
+        report = result.json["result"]
+        assert [d["name"] for d in report["differences"]] == [name]
+        assert not (report["only_a"] or report["only_b"] or report["metadata"])

@@ -624,12 +624,13 @@ def test_a_training_save_against_its_exported_weights_names_the_select_that_line
     assert not [w for w in same["warnings"] if "--select" in w]
 
 
-def test_a_trainer_checkpoints_training_args_are_named_as_not_compared(tmp_path: Path) -> None:
+def test_a_trainer_checkpoints_training_args_are_compared(tmp_path: Path) -> None:
     """A user diffs two Trainer `checkpoint-N` folders to learn what changed. Their
     `training_args.bin` (a pickle of TrainingArguments, which ckpt never unpickles) vanished:
-    not compared and not named. It is now listed as not compared, with why, and its bytes are
-    compared, so the user knows whether the training arguments changed (no difference either
-    way: what a pickle holds is not read)."""
+    not compared and not named. It was then listed as not compared, its bytes compared in a
+    warning, and two saves whose training arguments differed were IDENTICAL. It is compared
+    now: a pickle that builds no object (this one) by its bytes, a difference when they differ
+    (`tests/test_diff_training_components.py` compares a real one field by field)."""
     import pickle
 
     from .run_fixtures import trainer_checkpoint
@@ -643,14 +644,13 @@ def test_a_trainer_checkpoints_training_args_are_named_as_not_compared(tmp_path:
         sides.append(save)
     same = run_ckpt("diff", sides[0], sides[1], "--json")
     assert same.exit_code == 0, same.stdout
-    notes = [w for w in same.json["result"]["warnings"] if "training_args.bin" in w]
-    assert len(notes) == 1, same.json["result"]["warnings"]
-    assert "not compared" in notes[0] and "never unpickled" in notes[0]
-    assert "bytes are identical" in notes[0]
-    changed = run_ckpt("diff", sides[0], sides[2])
-    assert changed.exit_code == 0, changed.stdout
-    assert "training_args.bin" in changed.stderr and "bytes differ" in changed.stderr
-    # only one side holds it: named too
+    assert not [w for w in same.json["result"]["warnings"] if "training_args.bin" in w]
+    changed = run_ckpt("diff", sides[0], sides[2], "--json")
+    assert changed.exit_code == 1, changed.stdout
+    report = changed.json["result"]
+    assert [m["key"] for m in report["metadata"]] == ["training_args.bin"]
+    assert report["components"] == {"training_args": 1} and not report["differences"]
+    # only one side holds it: named
     (sides[1] / "training_args.bin").unlink()
     lone = run_ckpt("diff", sides[0], sides[1], "--json").json["result"]
     assert [w for w in lone["warnings"] if "training_args.bin" in w and "only A" in w]

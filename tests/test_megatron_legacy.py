@@ -232,3 +232,32 @@ def test_expert_parallel_rank_folders_are_expected_as_megatron_names_them(
     assert found.missing == missing
     assert found.expected == len(present) + len(missing)
     assert missing_ranks([f"{n}/{RANK_FILE}" for n in present + missing], sizes) is None
+
+
+def test_diff_of_two_legacy_saves_names_the_one_rank_state_that_differs(tmp_path: Path) -> None:
+    """A guard: two whole legacy saves (tp 2) that differ in one rank's RNG, scheduler, one
+    optimizer moment or run args: `diff` names that entry of that rank folder alone."""
+    legacy_save(tmp_path / "base", 100, 2, 1, megatron_args(2, 1))
+    cases = {
+        "mp_rank_01.rng_state.0.torch_rng_state": lambda s: s["rng_state"][0].update(
+            torch_rng_state=torch.Generator().manual_seed(5).get_state()
+        ),
+        "mp_rank_01.opt_param_scheduler.num_steps": lambda s: s["opt_param_scheduler"].update(
+            num_steps=1
+        ),
+        "mp_rank_01.optimizer.state.0.exp_avg": lambda s: s["optimizer"]["state"][0][
+            "exp_avg"
+        ].add_(1),
+        "mp_rank_01.args": lambda s: setattr(s["args"], "lr", 0.2),
+    }
+    for i, (name, change) in enumerate(cases.items()):
+        other = shutil.copytree(tmp_path / "base", tmp_path / f"other{i}")
+        rank = other / "mp_rank_01" / RANK_FILE
+        state = torch.load(rank, weights_only=False)
+        change(state)
+        torch.save(state, rank)
+        result = run_ckpt("diff", tmp_path / "base", other, "--json")
+        assert result.exit_code == 1, result.stdout + result.stderr
+        report = result.json["result"]
+        assert [d["name"] for d in report["differences"]] == [name], report["verdict"]
+        assert not (report["only_a"] or report["only_b"] or report["metadata"])

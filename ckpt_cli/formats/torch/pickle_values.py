@@ -300,6 +300,10 @@ class PickledObject:
     cls: str
     values: dict[str, int | float | bool | str | None] = field(default_factory=dict)
     objects: dict[str, str] = field(default_factory=dict)
+    #: the attributes of `objects` the pickle builds by calling their class with one plain
+    #: value (an enum member, `SchedulerType('cosine')`), by name -> that value (`cosine`):
+    #: what the pickle says, never the result of any call
+    built: dict[str, int | float | bool | str | None] = field(default_factory=dict)
 
 
 class _Stand(Opaque):
@@ -308,6 +312,13 @@ class _Stand(Opaque):
 
     original: ClassVar[str] = ""
     state: Any = None
+    #: what the pickle called it with (REDUCE, NEWOBJ): an enum member's value
+    args: tuple[Any, ...] = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Stand:
+        made = object.__new__(cls)
+        made.args = args
+        return made
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
@@ -411,12 +422,18 @@ def read_pickled_object(storage: Storage, rel: str) -> PickledObject | None:
     if isinstance(state, tuple) and len(state) == 2:  # (__dict__, slots)
         state = state[0] if isinstance(state[0], dict) else state[1]
     attributes = state if isinstance(state, dict) else {}
+    objects = {
+        k: v
+        for k, v in attributes.items()
+        if isinstance(k, str) and isinstance(v, _Stand) and type(v).original
+    }
     return PickledObject(
         cls=type(root).original,
         values={k: v for k, v in attributes.items() if isinstance(k, str) and _plain_attribute(v)},
-        objects={
-            k: type(v).original
-            for k, v in attributes.items()
-            if isinstance(k, str) and isinstance(v, _Stand) and type(v).original
+        objects={k: type(v).original for k, v in objects.items()},
+        built={
+            k: v.args[0]
+            for k, v in objects.items()
+            if v.state is None and len(v.args) == 1 and _plain_attribute(v.args[0])
         },
     )

@@ -1,7 +1,11 @@
 """The files a training layout lists without loading them (`OpenedSource.listed_files`: a
-Trainer's `training_args.bin`, a pickle no input may be unpickled for), which `diff` cannot
-compare by value: each is named, with why, and where both sides hold it its bytes are
-compared (sizes, then, where they agree, a streamed sha256), so a user knows whether it changed.
+Trainer's `training_args.bin`, accelerate's `sampler.bin` and a registered object's
+`custom_checkpoint_N.pkl`, pickles no input may be unpickled for). Those that are components
+of the save are compared where both sides hold them: the object a pickle builds whole by its
+plain attributes, read as data with every class a stand-in (nothing imported or run), any
+other by its bytes (size and sha256). The rest (a stray ZeRO partition), and one only one side
+holds, are named, with why, and whether their bytes are identical (sizes, then, where they
+agree, a streamed sha256), so a user knows whether it changed.
 
 Likewise the metadata two safetensors checkpoints keep about their files: every shard's
 header `__metadata__` (`{"format": "pt"}`, a writer's notes) and an index's `metadata` object
@@ -17,6 +21,7 @@ Memory: one block of one file at a time.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...formats.base import Checkpoint
@@ -24,20 +29,56 @@ from ...sources.layouts import OpenedSource
 from ...storage.hashing import StoredFile, hash_file, hasher_factory
 from ..shared.transfer import metadata_aliases
 
+#: the name the Trainer (and many accelerate scripts) saves its `TrainingArguments` under
+TRAINING_ARGS_FILE = "training_args.bin"
 
-def listed_notes(
+#: TrainingArguments fields that say where a run writes, where it came from and who pushes it,
+#: not how it trains: a resumed run writes into another `output_dir`, and must still diff
+#: IDENTICAL (the restart test). A field whose name starts with `_` is a cache of the machine
+#: (`_n_gpu`, `_setup_devices`), and one ending in `token` a secret never shown
+RUN_PLACE_ARGS = frozenset({"output_dir", "logging_dir", "run_name", "resume_from_checkpoint"})
+
+
+@dataclass
+class ListedComparison:
+    """What `diff` found of the files the layouts list without loading.
+
+    Attributes:
+        notes: warnings: a file not compared (a stray file, or one only one side holds), and
+            a TrainingArguments field left out that differs (`output_dir`).
+        differences: (key, value A, value B, component) of each value that differs: a
+            pickled object's plain attribute (`sampler.bin:epoch`), or, for a pickle that does
+            not read as one object, the file's size and sha256 prefix (`custom_checkpoint_0.pkl`).
+    """
+
+    notes: list[str] = field(default_factory=list)
+    differences: list[tuple[str, str | None, str | None, str]] = field(default_factory=list)
+
+
+def listed_comparison(
     a: tuple[OpenedSource, Checkpoint], b: tuple[OpenedSource, Checkpoint]
-) -> list[str]:
-    """One line per file either side lists without loading: not compared, why, and whether
-    the two sides' bytes are identical (or which side alone holds it)."""
+) -> ListedComparison:
+    """The files either side lists without loading. One that is a component of the save (a
+    Trainer's `training_args.bin`, accelerate's `sampler.bin` or a registered object's
+    `custom_checkpoint_N.pkl`) held by both sides is compared: an object the pickle builds
+    whole by its plain attributes (`read_pickled_object`: nothing imported or run), any other
+    by its bytes. Any other listed file (a stray partition), or one only one side holds, is a
+    note: not compared, why, and whether the bytes are identical (or which side holds it)."""
     (opened_a, ca), (opened_b, cb) = a, b
     listed_a, listed_b = opened_a.listed_files, opened_b.listed_files
-    notes = []
+    parts = {rel: comp for o in (opened_a, opened_b) for comp, rel in o.listed_parts.items()}
+    found = ListedComparison()
     for name in sorted(listed_a.keys() | listed_b.keys()):
         why = listed_a.get(name) or listed_b[name]
         if name not in listed_b or name not in listed_a:
             held = "A" if name in listed_a else "B"
-            notes.append(f"{name} not compared: {why}; only {held} holds it")
+            found.notes.append(f"{name} not compared: {why}; only {held} holds it")
+            continue
+        component = parts.get(name)
+        if component is None and name.rsplit("/", 1)[-1] == TRAINING_ARGS_FILE:
+            component = "training_args"
+        if component is not None:
+            _compare_values(found, name, component, ca, cb)
             continue
         size_a, size_b = ca.storage.size(name), cb.storage.size(name)
         if size_a != size_b:  # no need to read either (a listed file may be a GB partition)
@@ -49,8 +90,56 @@ def listed_notes(
                 f"its bytes differ (both {size_a} bytes; A sha256:{sha_a[:16]}, "
                 f"B sha256:{sha_b[:16]})"
             )
-        notes.append(f"{name} not compared: {why}; {bytes_say}")
-    return notes
+        found.notes.append(f"{name} not compared: {why}; {bytes_say}")
+    return found
+
+
+def _compare_values(
+    found: ListedComparison, name: str, component: str, ca: Checkpoint, cb: Checkpoint
+) -> None:
+    """File `name`, component `component`, of both sides, value by value into `found`."""
+    values_a, values_b = _listed_values(ca, name), _listed_values(cb, name)
+    left_out = []
+    for key in sorted(values_a.keys() | values_b.keys()):
+        value_a, value_b = values_a.get(key), values_b.get(key)
+        if value_a == value_b:
+            continue
+        field_name = key.partition(":")[2]
+        if component == "training_args" and field_name in RUN_PLACE_ARGS:
+            left_out.append(f"{field_name} {value_a or '(none)'} → {value_b or '(none)'}")
+        else:
+            found.differences.append((key, value_a, value_b, component))
+    if left_out:
+        found.notes.append(
+            f"{name}: {'; '.join(left_out)} (where the run writes, not how it trains: "
+            "not a difference)"
+        )
+
+
+def _listed_values(checkpoint: Checkpoint, name: str) -> dict[str, str]:
+    """`name:attribute` -> its value as JSON text, for the object the pickle `name` builds
+    whole (an attribute that is an object of another class by that class); `name` -> its size
+    and sha256 prefix for a pickle that reads as no object. A TrainingArguments' secrets
+    (`*token`) and machine caches (`_n_gpu`) are left out; `RUN_PLACE_ARGS` are kept for the
+    note that names them."""
+    from ...formats.torch.pickle_values import read_pickled_object
+
+    pickled = read_pickled_object(checkpoint.storage, name)
+    if pickled is None or not (pickled.values or pickled.objects):
+        size = checkpoint.storage.size(name)
+        return {name: f"{size} bytes, sha256:{_digest(checkpoint, name, size)[:16]}"}
+    arguments = pickled.cls.endswith("TrainingArguments")
+    values: dict[str, str] = {f"{name}:__class__": json.dumps(pickled.cls)}
+    shown: dict[str, Any] = {
+        **pickled.values,
+        **{k: f"<{cls} object>" for k, cls in pickled.objects.items()},
+        **pickled.built,  # an enum member by its value (`SchedulerType('cosine')`: `cosine`)
+    }
+    for key, value in shown.items():
+        if arguments and (key.startswith("_") or key.endswith("token")):
+            continue
+        values[f"{name}:{key}"] = json.dumps(value, ensure_ascii=False)
+    return values
 
 
 def _digest(checkpoint: Checkpoint, name: str, size: int) -> str:

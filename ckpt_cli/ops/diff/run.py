@@ -42,7 +42,12 @@ from ..shared.transfer import (
     unused_rename_rules,
 )
 from .compare import error_stats, short_repr, tensor_stats, values_equal, values_of
-from .listed import file_metadata_notes, listed_notes
+from .listed import (
+    TRAINING_ARGS_FILE,
+    ListedComparison,
+    file_metadata_notes,
+    listed_comparison,
+)
 from .namings import AUTO, OFF, NamedSide, NamingMap, check_naming, line_up_namings, select_hint
 
 
@@ -157,7 +162,9 @@ class DiffReport(Record):
         only_a / only_b: names present on one side only.
         differences: differing pairs, largest first (structure, then values, then objects).
         components: differing entries (and names on one side only) per top-level key
-            (`model`, `optimizer`, `rng`...): where a resumed run diverged.
+            (`model`, `optimizer`, `rng`...), and differing values of the pickled components
+            ckpt never unpickles (`sampler`, `custom_0`, `training_args`) per component: where
+            a resumed run diverged.
         within_tolerance: pairs that differ but are within tolerance.
         dequantized: with `--dequantize`, how many weights of each side were dequantized.
         quant_errors: per dequantized weight, the error statistics, worst first.
@@ -175,7 +182,10 @@ class DiffReport(Record):
             tokenizer; the companion files both folders hold, `config.json:KEY`, or the file
             name for a file that is no JSON object) whose values differ, when both sides keep
             such metadata and the whole checkpoints are compared (no --select / --filter /
-            --filter-out): differences.
+            --filter-out): differences. Likewise the training components a layout lists
+            without loading (`ops.diff.listed`): a pickled object's attribute
+            (`training_args.bin:learning_rate`, `sampler.bin:epoch`), or a pickle's file name
+            where it is compared by its bytes (`custom_checkpoint_0.pkl`).
         warnings: options that had no effect (a `--filter` glob that matches no entry of
             either side), and what was not compared (a companion file only one side holds).
     """
@@ -265,6 +275,39 @@ def _line_up(
     ]
     best = max(options, key=lambda option: option[0])  # the first of equals: both stripped
     return best[1], best[2], best[3], best[4]
+
+
+#: one side of `_training_state_one_side`: opened, checkpoint, (entry, selected name) pairs,
+#: and whether --select took a training component of it
+_Selected = tuple[OpenedSource, Checkpoint, list[tuple[Entry, str]], bool]
+
+
+def _training_state_one_side(side_a: _Selected, side_b: _Selected, select: str) -> list[str]:
+    """A note for a training save diffed with --select against a model that holds no training
+    state (its `convert --to hf` export): the weights line up, and the optimizer, scheduler,
+    RNG and trainer state that only the save holds vanished from an IDENTICAL verdict. Each
+    is named as held by that side alone (not compared: --select compares a part). Two
+    training saves get no note: --select is then the user's choice of a part."""
+    notes = []
+    for (opened, checkpoint, chosen, component), other, label, other_label in (
+        (side_a, side_b, "A", "B"),
+        (side_b, side_a, "B", "A"),
+    ):
+        if not component or opened.training is None or other[0].training is not None:
+            continue
+        taken = {e.name for e, _ in chosen}
+        held = {e.name.split(".", 1)[0] for e in checkpoint.manifest.entries if e.name not in taken}
+        held |= set(opened.listed_parts)
+        if any(rel.rsplit("/", 1)[-1] == TRAINING_ARGS_FILE for rel in opened.listed_files):
+            held.add("training_args")
+        held.discard(select.rstrip("."))
+        if held:
+            notes.append(
+                f"only {label} holds a training state: its {', '.join(sorted(held))} not "
+                f"compared (--select {select} compares its {select.rstrip('.')} component, and "
+                f"{other_label} is a model without one)"
+            )
+    return notes
 
 
 def _component_hint(names_a: set[str], names_b: set[str]) -> str | None:
@@ -667,6 +710,13 @@ def diff_with(
             # names start with it (an HF causal LM's `model.layers…` beside `lm_head`), so
             # that side is compared whole where that lines up better
             chosen_a, applied_a, chosen_b, applied_b = _line_up(ca, cb, chosen_a, chosen_b)
+        one_side = (
+            _training_state_one_side(
+                (opened_a, ca, chosen_a, comp_a), (opened_b, cb, chosen_b, comp_b), select
+            )
+            if select
+            else []
+        )
         for opened, chosen, where in ((opened_a, chosen_a, a), (opened_b, chosen_b, b)):
             if select:
                 # ZeRO-3's empty parameters would compare equal whatever the weights are
@@ -701,6 +751,7 @@ def diff_with(
             )
         excludes = request.excludes or []
         warnings = [*side_a.warnings, *side_b.warnings] if lined_namings is not None else []
+        warnings += one_side
         if lined_namings is None:
             warnings += _unused_mapping_options(request)
         warnings += unmatched_rules(
@@ -726,10 +777,13 @@ def diff_with(
                     opened.unreadable, "compared", select, filters, excludes
                 )
             ]
+        listed = ListedComparison()
         if not (select or filters or excludes):
-            # a file a layout lists without loading (`training_args.bin`, never unpickled)
-            # vanished from the report: named, and its bytes compared
-            warnings += listed_notes((opened_a, base_a), (opened_b, base_b))
+            # a file a layout lists without loading (`training_args.bin`, `sampler.bin`, never
+            # unpickled) vanished from the report: two saves whose sampler epoch differed were
+            # IDENTICAL. A component of the save is compared by its values, the rest named
+            listed = listed_comparison((opened_a, base_a), (opened_b, base_b))
+            warnings += listed.notes
             # the safetensors file metadata (header, index) was ignored: a differing key is named
             warnings += file_metadata_notes(base_a, base_b)
         lined_up = [*left, *right]
@@ -779,6 +833,10 @@ def diff_with(
             warnings=warnings,
         )
         _compare_metadata(report, base_a, base_b, bool(select or filters or excludes), request)
+        listed_components: dict[str, str] = {}
+        for key, value_a, value_b, component in listed.differences:
+            report.metadata.append(MetadataDiff(key=key, value_a=value_a, value_b=value_b))
+            listed_components[key] = component
         extra = _resolve_aliases(
             report,
             (opened_a, ca, chosen_a, whole_left),
@@ -835,6 +893,9 @@ def diff_with(
     for name in [d.name for d in report.differences] + report.only_a + report.only_b:
         top = name.split(".", 1)[0]
         report.components[top] = report.components.get(top, 0) + 1
+    for component in listed_components.values():
+        # a pickled component's value (`sampler.bin:epoch`): counted under its component
+        report.components[component] = report.components.get(component, 0) + 1
     report.identical = not (report.differences or report.only_a or report.only_b or report.metadata)
     report.verdict = _verdict(report)
     return report
