@@ -481,3 +481,62 @@ def test_download_dry_run_writes_nothing_and_lists_every_component(
     fetched = run_ckpt("download", "hf://org/run", dest, "--json")
     assert fetched.exit_code == 0, fetched.stdout
     assert _files(dest) == set(listed)  # the dry run listed what the download writes
+
+
+# ---------------------------------------------------------------------------------------------
+# sync --dry-run: nothing written on either side; the plan names every component's files
+
+
+def test_sync_dry_run_writes_nothing_and_plans_every_component_file(
+    s3_server: Any, tmp_path: Path
+) -> None:
+    from .s3_fixtures import list_keys, make_bucket
+
+    make_bucket(s3_server.endpoint, "ckpts")
+    run = trainer_run(tmp_path / "run", (100, 200))
+    s3_server.requests.clear()  # the bucket's creation
+    before = _snapshot(tmp_path)
+    result = run_ckpt("sync", run, "s3://ckpts/run/", "--dry-run", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert _snapshot(tmp_path) == before
+    assert not [r for r in s3_server.requests if r.method in ("PUT", "POST", "DELETE")]
+    assert not list(list_keys(s3_server.endpoint, "ckpts", "run/"))
+    report = result.json["result"]
+    planned = {c["name"]: c for c in report["checkpoints"]}
+    assert set(planned) == {"checkpoint-100", "checkpoint-200"}
+    for name, plan in planned.items():  # every file of every component, counted and sized
+        files = _files(run / name)
+        assert plan["files"] == len(files), (name, plan)
+        assert plan["bytes"] == sum((run / name / f).stat().st_size for f in files)
+
+
+# ---------------------------------------------------------------------------------------------
+# reshard --world-size of a DCP training save: every component, the optimizer's included
+
+
+def test_reshard_world_size_reaches_the_optimizer_and_a_dry_run_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    from .dist_helpers import dcp_load_flat
+
+    dcp_save(training_state(), tmp_path / "dcp")
+    src = tmp_path / "dcp"
+    out = tmp_path / "out"
+    before, source = _snapshot(tmp_path), _snapshot(src)
+    planned = run_ckpt("reshard", src, out, "--world-size", "2", "--dry-run", "--json")
+    assert planned.exit_code == 0, planned.stdout + planned.stderr
+    assert _snapshot(tmp_path) == before and not out.exists()
+    done = run_ckpt("reshard", src, out, "--world-size", "2", "--json")
+    assert done.exit_code == 0, done.stdout + done.stderr
+    assert planned.json["result"]["tensors"] == done.json["result"]["tensors"] == _tensors(src)
+    assert _snapshot(src) == source, "reshard changed its source"
+    template = {
+        e["name"]: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+        for e in run_ckpt("inspect", src, "--list", "--json").json["result"]["entries"]
+        if e["kind"] == "tensor"
+    }
+    original = dcp_load_flat(src, {n: t.clone() for n, t in template.items()})
+    resharded = dcp_load_flat(out, {n: t.clone() for n, t in template.items()})
+    assert any(n.startswith("optimizer.state.") for n in template)
+    for name, tensor in original.items():  # the real reader: every tensor, bit for bit
+        assert torch.equal(resharded[name], tensor), name
