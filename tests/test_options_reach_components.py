@@ -58,7 +58,14 @@ ACCELERATE = pytest.param(
 )
 DIFFUSERS = pytest.param(_fixture("diffusers_pipeline"), id="diffusers", marks=_FRAMEWORKS)
 PEFT = pytest.param(_fixture("lora_adapter"), id="peft", marks=_FRAMEWORKS)
-TRAINING = [TRAINER, DCP, TRAINER_REAL, ACCELERATE]
+# accelerate FSDP2 `save_state` on 2 ranks: `pytorch_model_fsdp_{0,1}/` and `optimizer_{0,1}/`
+# DCP folders beside per-rank RNG files (a torchrun job, shared with test_accelerate_fsdp.py)
+FSDP = pytest.param(
+    _fixture("accelerate_fsdp_saves", "sharded"),
+    id="accelerate-fsdp-sharded",
+    marks=[_FRAMEWORKS, pytest.mark.torchrun, pytest.mark.timeout(1200)],
+)
+TRAINING = [TRAINER, DCP, TRAINER_REAL, ACCELERATE, FSDP]
 EVERY_LAYOUT = [*TRAINING, DIFFUSERS, PEFT]
 
 
