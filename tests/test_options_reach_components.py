@@ -37,6 +37,13 @@ def _dcp_training(request: pytest.FixtureRequest, tmp: Path) -> Path:
     return tmp / "dcp"
 
 
+def _megatron_legacy(request: pytest.FixtureRequest, tmp: Path) -> Path:
+    from .test_megatron_legacy import legacy_save, megatron_args
+
+    legacy_save(tmp / "iter_0000200", 200, 2, 2, megatron_args(2, 2))
+    return tmp / "iter_0000200"
+
+
 def _fixture(name: str, *path: str) -> Builder:
     def build(request: pytest.FixtureRequest, tmp: Path) -> Path:
         value: Any = request.getfixturevalue(name)
@@ -65,7 +72,9 @@ FSDP = pytest.param(
     id="accelerate-fsdp-sharded",
     marks=[_FRAMEWORKS, pytest.mark.torchrun, pytest.mark.timeout(1200)],
 )
-TRAINING = [TRAINER, DCP, TRAINER_REAL, ACCELERATE, FSDP]
+# a whole legacy Megatron-LM save: `mp_rank_{tp}_{pp}/model_optim_rng.pt` of a 2 x 2 grid
+MEGATRON = pytest.param(_megatron_legacy, id="megatron-legacy")
+TRAINING = [TRAINER, DCP, TRAINER_REAL, ACCELERATE, FSDP, MEGATRON]
 EVERY_LAYOUT = [*TRAINING, DIFFUSERS, PEFT]
 
 
@@ -124,9 +133,10 @@ def test_a_dry_run_writes_nothing_anywhere_and_accounts_for_every_component(
     assert _snapshot(src, tmp_path) == before, "a dry run changed a file"
     assert not out.exists()
     if result.exit_code != 0:
-        # refused up front (an option that does not apply to this layout): a usage error that
-        # names the problem and the fix
-        assert result.exit_code == 2, result.stdout
+        # refused up front: an option that does not apply to this layout (a usage error), or
+        # a layout that cannot be cut so (a legacy Megatron-LM save loads whole), said with
+        # the problem and the fix
+        assert result.exit_code in (2, 4), result.stdout
         error = result.json["error"]
         assert str(src) in error["message"] or "--max-shard-size" in error["message"]
         assert error["fix"]
@@ -203,7 +213,8 @@ def test_prune_dry_run_writes_nothing_and_plans_every_component(
 
 
 def _load_all(out: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a single torch.save output, by dotted name (the real reader)."""
+    """Every tensor of a torch.save output (one file, or a folder of them: each rank folder's
+    file of a legacy Megatron-LM save), by dotted name, read by torch.load."""
     found: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -216,7 +227,10 @@ def _load_all(out: Path) -> dict[str, torch.Tensor]:
             for i, item in enumerate(value):
                 walk(f"{prefix}.{i}" if prefix else str(i), item)
 
-    walk("", torch.load(out, weights_only=False, map_location="cpu"))
+    for path in sorted(out.rglob("*")) if out.is_dir() else [out]:
+        if path.is_file() and not path.name.endswith(".json"):
+            prefix = path.relative_to(out).as_posix() if out.is_dir() else ""
+            walk(prefix, torch.load(path, weights_only=False, map_location="cpu"))
     return found
 
 
@@ -226,7 +240,8 @@ def test_dtype_casts_every_component_and_names_the_counters_it_keeps(
 ) -> None:
     src = build(request, tmp_path)
     before = _snapshot(src)
-    out = tmp_path / "whole.pt"
+    # a legacy Megatron-LM save is written rank folder by rank folder, into a folder
+    out = tmp_path / ("whole" if (src / "mp_rank_00_000").is_dir() else "whole.pt")
     result = run_ckpt("convert", src, out, "--to", "torch", "--dtype", "bf16", "--json")
     assert result.exit_code == 0, result.stdout + result.stderr
     assert _snapshot(src) == before, "convert changed its source"
@@ -239,10 +254,12 @@ def test_dtype_casts_every_component_and_names_the_counters_it_keeps(
     assert kept == counters, kept
     assert any(".exp_avg" in n and floating[n].dtype == torch.bfloat16 for n in floating)
     if counters:
+        # said once per file written (a legacy Megatron-LM save: per rank folder), counted
         said = [w for w in report["warnings"] if "step counter" in w]
         assert said, report["warnings"]
-        assert f"{len(counters)} optimizer step counter" in said[0]
-        assert "float32" in said[0]
+        counted = [int(w.split(": ", 1)[1].split(" ", 1)[0]) for w in said]
+        assert sum(counted) == len(counters), said
+        assert all("float32" in w for w in said)
 
 
 def test_dtype_says_so_when_it_keeps_a_lone_step_counter(tmp_path: Path) -> None:

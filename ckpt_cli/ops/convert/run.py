@@ -489,7 +489,7 @@ def convert(
                 if i.target.name == i.source.name and i.source.name in recorded
             }
         warnings = unused_renames(plan, rename_pairs) + naming_warnings
-        counters = kept_counters_note(plan, cast) if cast is not None else None
+        counters = kept_counters_note(plan, cast, match_prefix) if cast is not None else None
         warnings += [counters] if counters is not None else []
         # the output holds every tensor's values; the source's layout flaw is said anyway
         warnings += [with_fix(p.message, p.fix) for p in checkpoint.tolerated_problems()]
