@@ -94,8 +94,10 @@ ONE_VALUE_LISTS = frozenset({"log_history"})
 
 def is_log(key: Any, node: Any) -> bool:
     """Whether `node`, held under dict key `key`, is a log kept as one value
-    (`ONE_VALUE_LISTS`)."""
-    return type(node) is list and isinstance(key, str) and key in ONE_VALUE_LISTS
+    (`ONE_VALUE_LISTS`). The key's last dotted part counts: a sharded torch output stores the
+    log under its flat name (`trainer_state.log_history`), which must read back as the same
+    one entry the nested save (`{"trainer_state": {"log_history": [...]}}`) reads as."""
+    return type(node) is list and isinstance(key, str) and key.rpartition(".")[2] in ONE_VALUE_LISTS
 
 
 #: budgets of the flattening of one loaded file (a hostile pickle can describe a huge graph

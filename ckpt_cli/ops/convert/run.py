@@ -52,6 +52,7 @@ from ..shared.transfer import (
     WrittenEntry,
     account_files,
     extra_files,
+    kept_counters_note,
     left_out_components,
     nothing_to_dequantize,
     parse_renames,
@@ -488,6 +489,8 @@ def convert(
                 if i.target.name == i.source.name and i.source.name in recorded
             }
         warnings = unused_renames(plan, rename_pairs) + naming_warnings
+        counters = kept_counters_note(plan, cast, match_prefix) if cast is not None else None
+        warnings += [counters] if counters is not None else []
         # the output holds every tensor's values; the source's layout flaw is said anyway
         warnings += [with_fix(p.message, p.fix) for p in checkpoint.tolerated_problems()]
         # shards whose `__metadata__` disagree: the output keeps what they agree on

@@ -405,15 +405,73 @@ def check_file_globs(repo: HubRepo, report: DownloadReport) -> None:
                 )
 
 
-def no_match(src: str, include: list[str] | None, exclude: list[str] | None) -> NotFoundError:
+def no_match(
+    src: str,
+    include: list[str] | None,
+    exclude: list[str] | None,
+    layout: str = "",
+    state: set[str] | None = None,
+) -> NotFoundError:
+    """No tensor picked. In a training save (`layout`, its `state` files) the names inspect
+    shows include the training state's (`optimizer.state.0.exp_avg`), which a download never
+    picks by name: the fix says how that state is fetched instead."""
     what = " or ".join(include or ["*"])
     if exclude:
         what += f" (excluding {' or '.join(exclude)})"
+    if layout and state:
+        return NotFoundError(
+            f"no weight matches {what}: --filter / --filter-out pick the weights of this "
+            f"{layout} save, and its training state ({_listed(state)}) is fetched whole, "
+            "never by tensor name",
+            path=src,
+            fix="Download without --filter / --filter-out to fetch the whole save, or add "
+            "--include with a state file's name to fetch it too; `ckpt inspect --list "
+            + src
+            + " --filter 'model.*'` lists the weights' names.",
+        )
     return NotFoundError(
         f"no tensor matches {what}",
         path=src,
         fix="Check the pattern; `ckpt inspect --list " + src + "` lists every name.",
     )
+
+
+def unmatched_filters(
+    names: list[str], globs: list[str] | None, layout: str = "", state: set[str] | None = None
+) -> list[str]:
+    """A warning for each --filter glob that picks no tensor while others do: the download
+    went ahead without a word, so `--filter 'model.*' --filter 'optimizer.*'` of a Trainer
+    save fetched the weights and left the optimizer behind as if asked. In a training save
+    (`layout`, its `state` files) a glob is also tried without the `model.` component prefix
+    (`save_globs`), and the warning says how its training state is fetched."""
+    notes = []
+    for glob in globs or []:
+        tried = [glob]
+        if layout and glob.startswith(WEIGHTS_COMPONENT) and glob != WEIGHTS_COMPONENT:
+            tried.append(glob[len(WEIGHTS_COMPONENT) :])
+        matches = [re.compile(fnmatch.translate(g)).match for g in tried]
+        if any(match(name) for match in matches for name in names):
+            continue
+        if layout and state:
+            notes.append(
+                f"--filter {glob!r} matches no weight of this {layout} save, so it fetched "
+                f"nothing: the training state ({_listed(state)}) is fetched whole, never by "
+                "tensor name; download without --filter / --filter-out for the whole save, or "
+                "add --include with a state file's name"
+            )
+        else:
+            notes.append(
+                f"--filter {glob!r} matches no tensor, so it fetched nothing; "
+                "`ckpt inspect --list SRC` lists every name"
+            )
+    return notes
+
+
+def _listed(files: set[str], most: int = 4) -> str:
+    """`a, b, c` (or the first `most` and `+N`) of `files`, sorted."""
+    names = sorted(files)
+    shown = ", ".join(names[:most])
+    return shown + (f" +{len(names) - most}" if len(names) > most else "")
 
 
 def index_selection(

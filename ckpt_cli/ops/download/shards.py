@@ -43,6 +43,7 @@ from .plan import (
     state_left_behind,
     top_level_extras,
     training_state_files,
+    unmatched_filters,
 )
 
 # -- shards mode -----------------------------------------------------------------------------
@@ -98,8 +99,14 @@ def download_shards(
             chosen = with_sidecars(chosen, entries, exclude)
         total = len(entries)
         all_shards = sorted({e.file for e in entries if e.file is not None})
+    checkpoint = set(all_shards) | ({index_rel} if index_rel is not None else set())
+    # a training save (a Trainer's `last-checkpoint/`) is its weights and its state: a whole
+    # download fetches both; tensors chosen by name are weights only, the state stays behind
+    layout, state = training_state_files(source, checkpoint)
     if not picked:
-        raise no_match(src, asked.tensors, asked.exclude)
+        raise no_match(src, asked.tensors, asked.exclude, layout, state)
+    names = list(weight_map) if weight_map is not None else [e.name for e in entries]
+    report.warnings += unmatched_filters(names, asked.tensors, layout, state)
     report.tensors_total = total
     report.tensors_selected = len(chosen)
     if weight_map is None:  # sizes are known only when the headers were read
@@ -114,10 +121,6 @@ def download_shards(
         # one: without it, the cached snapshot (what HF_HUB_OFFLINE=1 reads) would hold a
         # shard or two and nothing saying the model has more, and read as a whole model
         plan.insert(0, (index_rel, "index"))
-    checkpoint = set(all_shards) | ({index_rel} if index_rel is not None else set())
-    # a training save (a Trainer's `last-checkpoint/`) is its weights and its state: a whole
-    # download fetches both; tensors chosen by name are weights only, the state stays behind
-    layout, state = training_state_files(source, checkpoint)
     left_behind: dict[str, str] = {}
     if include or exclude:
         left_behind = state_left_behind(

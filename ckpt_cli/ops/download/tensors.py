@@ -63,6 +63,7 @@ from .plan import (
     state_left_behind,
     top_level_extras,
     training_state_files,
+    unmatched_filters,
 )
 from .shards import fetch_files
 
@@ -374,16 +375,19 @@ def download_tensors(
     if include:
         chosen = with_sidecars(chosen, manifest.tensors, exclude)  # a weight needs its scales
     chosen = [e for e in chosen if e.is_raw]
+    # a training save's optimizer, scheduler, RNG... files are no byte ranges of its weights
+    layout, state = training_state_files(source, own)
     if not chosen:
-        raise no_match(src, asked.tensors, asked.exclude)
+        raise no_match(src, asked.tensors, asked.exclude, layout, state)
+    # a glob that matched a tensor opened its shard: the names of the shards opened suffice
+    names = [e.name for e in manifest.tensors]
+    report.warnings += unmatched_filters(names, asked.tensors, layout, state)
     report.tensors_total = total
     report.tensors_selected = len(chosen)
     report.selected_bytes = sum(e.nbytes for e in chosen)
     report.ranges = plan_ranges(chosen)
     report.bytes_planned = sum(r.length for r in report.ranges)
     index_rel = checkpoint.index
-    # a training save's optimizer, scheduler, RNG... files are no byte ranges of its weights
-    layout, state = training_state_files(source, own)
     left_behind = state_left_behind(
         layout,
         state,

@@ -270,6 +270,32 @@ def is_step_counter(entry: Entry) -> bool:
     return entry.name.rpartition(".")[2] == "step" and entry.numel == 1
 
 
+def kept_counters_note(plan: TransferPlan, dtype: str, match_prefix: str = "") -> str | None:
+    """What a `--dtype` cast left as stored because it is an optimizer step counter
+    (`is_step_counter`), in a few words with the names; None when it left none. The user
+    asked for every floating tensor in `dtype`: the tensors that are not are named, as
+    `inspect --list` names them in the whole source (`match_prefix`: a component's folder, so
+    each rank folder of a legacy Megatron-LM save says its own)."""
+    kept = [
+        item.source
+        for item in plan.items
+        if item.cast is None
+        and item.source.dtype in dtypes.FLOATING
+        and item.source.dtype != dtype
+        and is_step_counter(item.source)
+    ]
+    if not kept:
+        return None
+    stored = ", ".join(sorted({e.dtype for e in kept if e.dtype is not None}))
+    names = ", ".join(match_prefix + e.name for e in kept[:3]) + (", ..." if len(kept) > 3 else "")
+    counters = "counter" if len(kept) == 1 else "counters"
+    return (
+        f"--dtype {dtype}: {len(kept)} optimizer step {counters} kept as stored ({stored}): "
+        f"{names}. A counter in a 16-bit float stops counting (bfloat16 at 256), and a resumed "
+        "optimizer keeps the dtype it loads"
+    )
+
+
 def _source_name_fix(
     candidates: list[Entry],
     include: Sequence[str] | None,
