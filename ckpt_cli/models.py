@@ -695,6 +695,8 @@ class TrainingState(Record):
         resharded: `saved_world_size` (what the run saved it at) and `world_size` (what it is
             laid out for now) of a folder `ckpt reshard --world-size` cut for another world
             size (its `ckpt-reshard.json`), else None: never exact.
+        reshard_record_problem: why that `ckpt-reshard.json` could not be read (its world
+            sizes are then 0, unknown), else None.
     """
 
     layout: str
@@ -716,3 +718,4 @@ class TrainingState(Record):
     exact: bool = False
     missing_exact: list[str] = Field(default_factory=list)
     resharded: dict[str, int] | None = None
+    reshard_record_problem: str | None = None
