@@ -15,8 +15,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from .conftest import run_ckpt
+from .test_budgets import CPU_LIMIT, ckpt_limited
 from .test_reshard_exact import _dcp_training_save
 
 # ------------------------------------------------------------------------- ckpt-reshard.json
@@ -94,3 +96,53 @@ def test_a_hostile_reshard_record_is_a_problem_that_says_why_never_a_crash(
     assert (record["saved_world_size"], record["world_size"]) == (None, 3)
     [problem] = run_ckpt("verify", "--exact", three, "--json").json["result"]["problems"]
     assert "does not say saved_world_size" in problem["message"], problem
+
+
+# ------------------------------------------------------------ shards' __metadata__ merged
+
+
+def _shards_each_with_its_own_value(folder: Path, shards: int, value_bytes: int) -> Path:
+    """`shards` safetensors files (saved by safetensors) each holding its own `note` of
+    `value_bytes` characters (and its own `key_i`, 20 keys in all that differ), and their index."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        metadata = {"format": "pt", "note": f"{i:08d}" * (value_bytes // 8)}
+        metadata |= {f"key_{k}": str(i) for k in range(20)}
+        save_file({f"layers.{i}.weight": torch.zeros(4)}, folder / name, metadata=metadata)
+        weight_map[f"layers.{i}.weight"] = name
+    index = {"metadata": {"total_size": 16 * shards}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+@pytest.mark.slow  # 500 MB of headers, read by a fresh process under limits
+def test_500_shards_each_with_its_own_1_mb_value_are_told_in_a_few_bounded_lines(
+    tmp_path: Path,
+) -> None:
+    src = _shards_each_with_its_own_value(tmp_path / "src", 500, 1_000_000)
+    for command in (
+        ("convert", src, tmp_path / "out", "--to", "safetensors", "--json"),
+        ("reshard", src, tmp_path / "resharded", "--max-shard-size", "1MB", "--json"),
+    ):
+        done = ckpt_limited(*command)
+        assert done.exit_code == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert done.cpu_s < CPU_LIMIT
+        assert done.peak_rss < 1 << 30, f"peak RSS {done.peak_rss:,}"
+        warnings = json.loads(done.stdout)["result"]["warnings"]
+        # the 21 keys that differ: 8 told one by one, the other 13 named in one more
+        assert len(warnings) == 9, warnings
+        assert all(len(w) < 1200 for w in warnings), [len(w) for w in warnings]
+        [note] = [w for w in warnings if w.startswith("__metadata__ key 'note'")]
+        assert "model-00001-of-00500.safetensors" in note and "(1,000,000 chars)" in note
+        assert "and 497 more values in 497 more shards" in note, note
+        assert warnings[-1].startswith("13 more __metadata__ keys differ"), warnings[-1]
+        assert "and 5 more" in warnings[-1]
+    # the output holds what every shard agrees on, and nothing they disagree on
+    from safetensors import safe_open
+
+    with safe_open(str(next((tmp_path / "out").glob("*.safetensors"))), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
