@@ -6,6 +6,13 @@ script, then `ckpt` run on it as a user would.
   size of 10**100 was taken as a number of ranks; a record that could not be read said "cut it
   from the ? rank(s)" with no word of why, and a later `reshard` wrote the world size it started
   from as the one the run saved it at.
+* Shards' `__metadata__` merged: 500 shards each holding its own 1 MB value of one key made one
+  warning of 60,000 characters naming every shard; 21 keys that differ, 21 warnings. A key's
+  message now shows three values and three shards of each, "and N more", and past eight keys
+  one message names the rest.
+* accelerate's `sampler.bin` / `dl_state_dict.bin` and a whole legacy Megatron-LM save (its
+  tracker, args, rank folder names and links) held when swept: one guard test each.
+  (DeepSpeed `latest` and tag links: `test_deepspeed.py`, beside its fixture.)
 """
 
 from __future__ import annotations
@@ -146,3 +153,156 @@ def test_500_shards_each_with_its_own_1_mb_value_are_told_in_a_few_bounded_lines
 
     with safe_open(str(next((tmp_path / "out").glob("*.safetensors"))), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
+
+
+# ------------------------------------------------- accelerate's data position (a regression guard)
+
+
+class _RunsCode:
+    """What a hostile `sampler.bin` pickles: a call of os.system (touching a marker file)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def accelerate_stateful_save(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """accelerate's `save_state` of a seedable, stateful loader: `sampler.bin` and
+    `dl_state_dict.bin` beside the model."""
+    pytest.importorskip("accelerate", reason="the frameworks extra brings accelerate")
+    from .test_accelerate_sampler import _run
+
+    return _run(tmp_path_factory.mktemp("accelerate") / "run", stateful=True)[-1]
+
+
+@pytest.mark.frameworks
+@pytest.mark.slow  # fresh processes under limits
+@pytest.mark.parametrize("name", ["sampler.bin", "dl_state_dict.bin"])
+@pytest.mark.parametrize("kind", ["runs_code", "pickle_of_450_mb"])
+def test_a_hostile_data_position_file_is_refused_unrun_in_bounded_memory(
+    accelerate_stateful_save: Path, tmp_path: Path, name: str, kind: str
+) -> None:
+    """Every case already held when swept (a guard): a torch.save file whose pickle calls
+    os.system is refused without running it, one whose pickle declares 450 MB before reading
+    it; `verify --exact` names the file, `convert --dry-run` and `diff` refuse it with the fix."""
+    import os
+
+    from .test_budgets import torch_zip_with_pickle
+
+    save = shutil.copytree(accelerate_stateful_save, tmp_path / "save")
+    marker = tmp_path / "ran"
+    if kind == "runs_code":
+        import pickle
+
+        torch_zip_with_pickle(save / name, pickle.dumps(_RunsCode(marker), protocol=2))
+        said = "posix.system"
+    else:
+        torch.save({"x": [os.urandom(1 << 20) for _ in range(450)]}, save / name)
+        said = "declares"
+
+    verified = ckpt_limited("verify", "--exact", save)
+    text = verified.stdout + verified.stderr
+    assert verified.exit_code == 1, text
+    assert f"{save / name}: " in text and said in text and "unreadable_component" in text, text
+    for command in (
+        ("convert", save, tmp_path / "out", "--to", "safetensors", "--dry-run"),
+        ("diff", save, accelerate_stateful_save),
+    ):
+        refused = ckpt_limited(*command)
+        assert refused.exit_code == 4, refused.stdout + refused.stderr
+        assert str(save / name) in refused.stderr and "--filter-out" in refused.stderr
+        assert refused.peak_rss < 1 << 30 and refused.cpu_s < CPU_LIMIT
+    assert verified.peak_rss < 1 << 30 and verified.cpu_s < CPU_LIMIT
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+# -------------------------------------------- a whole legacy Megatron-LM save (a regression guard)
+
+
+def _megatron_hostile(root: Path, case: str) -> tuple[Path, Path]:
+    """A run folder of one legacy save (Megatron-LM's rank dicts, torch.save, TP 1 × PP 2)
+    with one thing made hostile; returns (run, save)."""
+    from .test_megatron_legacy import RANK_FILE, TRACKER, legacy_save, megatron_args
+
+    run = root / "ckpts"
+    save = run / "iter_0000100"
+    args: object = {
+        "args_a_dict": {"tensor_model_parallel_size": 1},
+        "args_a_string": "tensor_model_parallel_size=1",
+        "grid_4x3": megatron_args(4, 3),
+    }.get(case, megatron_args(1, 2))
+    legacy_save(save, 100, 1, 2, args)  # type: ignore[arg-type]
+    tracker = {
+        "tracker_dotdot": b"../../etc",
+        "tracker_negative": b"-1",
+        "tracker_10_30": str(10**30).encode(),
+        "tracker_nul": b"100\x00\n",
+    }.get(case, b"100")
+    (run / TRACKER).write_bytes(tracker)
+    if case == "tracker_1_gib":
+        with (run / TRACKER).open("r+b") as f:
+            f.truncate(1 << 30)
+    if case == "rank_numbers_huge":
+        for name in ("mp_rank_99999999_999", "mp_rank_00_99999999"):
+            (save / name).mkdir()
+            shutil.copy(save / "mp_rank_00_000" / RANK_FILE, save / name / RANK_FILE)
+    if case == "rank_folder_linked_out":
+        outside = root / "elsewhere"
+        shutil.move(save / "mp_rank_00_001", outside)
+        (save / "mp_rank_00_001").symlink_to(outside, target_is_directory=True)
+    return run, save
+
+
+#: (case, exit of `latest RUN`, exit of `inspect SAVE`, words said)
+MEGATRON_HOSTILE = [
+    ("tracker_dotdot", 0, 0, "holds neither an iteration nor `release`"),
+    ("tracker_negative", 0, 0, "holds neither an iteration nor `release`"),
+    ("tracker_nul", 0, 0, "holds neither an iteration nor `release`"),
+    ("tracker_1_gib", 0, 0, "holds neither an iteration nor `release`"),
+    ("tracker_10_30", 0, 0, "which this run folder does not hold"),
+    ("args_a_dict", 0, 0, ""),
+    ("args_a_string", 0, 0, ""),
+    ("rank_numbers_huge", 0, 0, ""),
+    ("grid_4x3", 3, 4, "lacks mp_rank_00_002/"),
+    ("rank_folder_linked_out", 3, 4, "lacks mp_rank_00_001/"),
+]
+
+
+@pytest.mark.slow  # fresh processes under limits
+@pytest.mark.parametrize(
+    ("case", "latest_code", "inspect_code", "said"),
+    MEGATRON_HOSTILE,
+    ids=[c[0] for c in MEGATRON_HOSTILE],
+)
+def test_a_hostile_legacy_megatron_save_is_judged_clearly_in_bounded_cpu(
+    tmp_path: Path, case: str, latest_code: int, inspect_code: int, said: str
+) -> None:
+    """Every case already held when swept (a guard): a tracker naming `../../etc`, -1, 10**30,
+    a NUL or 1 GiB of bytes is read as Megatron-LM reads it (at most 4 KiB), args that are no
+    Namespace give no grid, folders numbered past any grid are judged by name, and a grid the
+    folders lack or a rank folder linked out of the save is named with what is missing."""
+    from .run_fixtures import age
+    from .test_megatron_legacy import TRACKER
+
+    run, save = _megatron_hostile(tmp_path, case)
+    age(run)
+    latest = ckpt_limited("latest", run)
+    inspected = ckpt_limited("inspect", save)
+    for done, code in ((latest, latest_code), (inspected, inspect_code)):
+        text = done.stdout + done.stderr
+        assert done.exit_code == code, text
+        assert "internal error" not in text, text
+        assert done.cpu_s < CPU_LIMIT and done.peak_rss < 1 << 30
+    assert said in latest.stdout + latest.stderr
+    if latest_code == 0:
+        assert latest.stdout.strip() == str(save)
+    if said.startswith("holds neither"):
+        assert TRACKER in latest.stderr, latest.stderr
+    if inspect_code:
+        assert str(save) in inspected.stderr and said in inspected.stderr, inspected.stderr
