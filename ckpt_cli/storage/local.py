@@ -119,7 +119,6 @@ def read_cache_ref(ref: Path) -> str | None:
     return head.decode("utf-8", "replace").strip()
 
 
-
 def real_path(path: str | os.PathLike[str]) -> str:
     """`os.path.realpath(path)` for a path whose links a checkpoint's owner made. Python
     resolves a chain of links by recursion, one level per link: a chain of 1,000
@@ -136,6 +135,7 @@ def real_path(path: str | os.PathLike[str]) -> str:
         return os.path.realpath(path)
     except RecursionError:  # deeper than the kernel follows: never read through
         return os.path.abspath(path)
+
 
 class LocalStorage(Storage):
     """A folder on this machine; reads use `os.pread` so nothing is read that is not asked for."""
