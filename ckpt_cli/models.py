@@ -697,6 +697,8 @@ class TrainingState(Record):
             size (its `ckpt-reshard.json`), else None: never exact.
         reshard_record: where that record is, relative to the checkpoint (a DeepSpeed run's
             `global_step100/ckpt-reshard.json`), else None.
+        reshard_record_problem: why that `ckpt-reshard.json` could not be read (its world
+            sizes are then 0, unknown), else None.
     """
 
     layout: str
@@ -719,3 +721,4 @@ class TrainingState(Record):
     missing_exact: list[str] = Field(default_factory=list)
     resharded: dict[str, int] | None = None
     reshard_record: str | None = None
+    reshard_record_problem: str | None = None

@@ -1257,3 +1257,89 @@ def test_diff_of_two_zero_saves_names_the_one_component_that_differs(
         report = result.json["result"]
         assert [d["name"] for d in report["differences"]] == [name]
         assert not (report["only_a"] or report["only_b"] or report["metadata"])
+
+
+def _link_chain(run: Path, links: int) -> str:
+    """`l0 -> step_2`, `l1 -> l0`, ... : a chain of `links` links; returns the last one."""
+    previous = "step_2"
+    for i in range(links):
+        (run / f"l{i}").symlink_to(previous, target_is_directory=True)
+        previous = f"l{i}"
+    return previous
+
+
+def _hostile_latest(run: Path, case: str) -> None:
+    if case == "loop":  # a -> b -> a
+        (run / "a").symlink_to("b", target_is_directory=True)
+        (run / "b").symlink_to("a", target_is_directory=True)
+        (run / "latest").write_text("a")
+    elif case == "chain_of_1000":
+        (run / "latest").write_text(_link_chain(run, 1000))
+    elif case == "the_run_itself":
+        (run / "me").symlink_to(".", target_is_directory=True)
+        (run / "latest").write_text("me")
+    elif case == "the_runs_parent":
+        (run / "up").symlink_to("..", target_is_directory=True)
+        (run / "latest").write_text("up")
+    elif case == "dotdot":
+        (run / "latest").write_text("../x")
+    elif case == "nul":
+        (run / "latest").write_bytes(b"step_2\x00../../etc")
+    elif case == "newlines":
+        (run / "latest").write_bytes(b"step_2\nstep_1\n")
+    else:  # 100 MB: DeepSpeed strips it to `step_2`; ckpt reads its first 4 KiB
+        with (run / "latest").open("wb") as f:
+            f.write(b"step_2")
+            for _ in range(100):
+                f.write(b" " * (1 << 20))
+
+
+#: (case, the exit code of `verify RUN`, words its message says)
+HOSTILE_LATEST = [
+    ("loop", 3, "names 'a'"),
+    ("chain_of_1000", 3, "names 'l999'"),
+    ("the_run_itself", 3, "names 'me'"),
+    ("the_runs_parent", 4, "points outside the checkpoint"),
+    ("dotdot", 4, "a path outside the checkpoint"),
+    ("nul", 4, "invalid file name"),
+    ("newlines", 3, "names 'step_2\\nstep_1'"),
+    ("100_mb", 0, "step_2"),
+]
+
+
+@pytest.mark.slow  # fresh processes under limits
+@pytest.mark.parametrize(
+    ("case", "code", "said"), HOSTILE_LATEST, ids=[c[0] for c in HOSTILE_LATEST]
+)
+def test_a_hostile_latest_or_tag_link_is_a_clear_error_in_bounded_cpu(
+    tagged_run: Path, tmp_path: Path, case: str, code: int, said: str
+) -> None:
+    """A `latest` naming a link loop, the end of a chain of 1,000 links (Python resolved it one
+    recursion level per link: "a bug in ckpt", exit 70, in latest, inspect, verify and prune),
+    the run folder or its parent, `../x`, a NUL or newlines, or 100 MB of it: `verify` names the
+    file and the saves to resume from instead, and the run's listing and prune plan still stand."""
+    from .run_fixtures import age
+    from .test_budgets import CPU_LIMIT, ckpt_limited
+
+    run = shutil.copytree(tagged_run, tmp_path / "run", symlinks=True)
+    _hostile_latest(run, case)
+    age(run)
+
+    verified = ckpt_limited("verify", run)
+    text = verified.stdout + verified.stderr
+    if code == 0:  # DeepSpeed resumes from step_2 (its `latest` stripped): so does ckpt
+        assert verified.exit_code == 0 and "internal error" not in text, text
+    else:
+        assert verified.exit_code == code, text
+        assert str(run) in text and said in text, text
+        assert "internal error" not in text, text
+    assert verified.cpu_s < CPU_LIMIT
+    for command in (("latest", run), ("inspect", run), ("prune", run, "--keep-last", "1")):
+        done = ckpt_limited(*command)
+        assert done.exit_code == 0, done.stdout + done.stderr
+        assert done.cpu_s < CPU_LIMIT
+        assert "internal error" not in done.stdout + done.stderr
+    listing = run_ckpt("latest", run, "--json").json["result"]
+    assert {c["name"] for c in listing["checkpoints"]} >= {"step_1", "step_2", "step_3"}
+    # nothing was deleted by the dry run, and nothing outside the run was read as a save
+    assert all((run / f"step_{n}" / "mp_rank_00_model_states.pt").exists() for n in (1, 2, 3))

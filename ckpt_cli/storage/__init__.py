@@ -35,6 +35,7 @@ from .local import (
     hf_cache_repo,
     open_regular,
     read_regular,
+    real_path,
 )
 from .relpath import safe_relpath
 from .remote import FsspecStorage, filesystem_for, literal
@@ -59,6 +60,7 @@ __all__ = [
     "literal",
     "open_regular",
     "read_regular",
+    "real_path",
     "remote_failure",
     "safe_relpath",
 ]

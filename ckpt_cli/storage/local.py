@@ -7,6 +7,7 @@ sees the old file or the new one, whole; the folder is fsynced after the rename.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import re
@@ -118,6 +119,24 @@ def read_cache_ref(ref: Path) -> str | None:
     return head.decode("utf-8", "replace").strip()
 
 
+def real_path(path: str | os.PathLike[str]) -> str:
+    """`os.path.realpath(path)` for a path whose links a checkpoint's owner made. Python
+    resolves a chain of links by recursion, one level per link: a chain of 1,000
+    (`l999 -> l998 -> ... -> step_2`) raised RecursionError, "a bug in ckpt". The kernel follows
+    at most 40 links in one lookup (ELOOP), so no reader follows such a chain: it is left
+    unresolved, as `realpath` leaves a loop (`a -> b -> a`), without walking it: 10,000 such
+    links walked one by one were 10^7 lookups."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return os.path.abspath(path)
+    try:
+        return os.path.realpath(path)
+    except RecursionError:  # deeper than the kernel follows: never read through
+        return os.path.abspath(path)
+
+
 class LocalStorage(Storage):
     """A folder on this machine; reads use `os.pread` so nothing is read that is not asked for."""
 
@@ -147,7 +166,7 @@ class LocalStorage(Storage):
         name = rel
         rel = safe_relpath(rel, source=self.display)
         full = self.root / rel
-        real = os.path.realpath(full)
+        real = real_path(full)
         if real != self._link_root and not real.startswith(self._link_root + os.sep):
             raise UnsafeInputError(
                 f"{rel!r} is a link that points outside the checkpoint ({real})",
@@ -178,7 +197,7 @@ class LocalStorage(Storage):
             return out
         for entry in entries:
             if entry.is_symlink() and not os.path.exists(entry.path):
-                out[entry.name] = os.path.realpath(entry.path)
+                out[entry.name] = real_path(entry.path)
         return dict(sorted(out.items()))
 
     def links_out(self, rels: Iterable[str]) -> dict[str, str]:
@@ -188,7 +207,7 @@ class LocalStorage(Storage):
             # the listing walks no linked folder: a link out is the file itself (one lstat)
             if not os.path.islink(full):
                 continue
-            real = os.path.realpath(full)
+            real = real_path(full)
             if real != self._link_root and not real.startswith(self._link_root + os.sep):
                 out[rel] = real
         return out
@@ -197,7 +216,7 @@ class LocalStorage(Storage):
         full = self.root / rel
         if not os.path.islink(full) or not os.path.isdir(full):
             return None
-        real = os.path.realpath(full)
+        real = real_path(full)
         if not real.startswith(self._real_root + os.sep):
             return None  # out of the checkpoint (`links_out`), or the root itself
         return os.path.relpath(real, self._real_root).replace(os.sep, "/")

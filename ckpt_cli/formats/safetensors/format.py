@@ -364,6 +364,31 @@ def shown_metadata(value: str, limit: int = 60) -> str:
     return repr(value) if len(value) <= limit else repr(value[:limit]) + f"… ({len(value):,} chars)"
 
 
+#: values of one `__metadata__` key a message shows, and shards named for each (a model of
+#: 500 shards each holding its own value is one message of a few lines, not 500 of them)
+SHOWN_VALUES = 3
+SHOWN_SHARDS = 3
+#: keys that differ a message is given for each (the rest: one message naming them)
+SHOWN_KEYS = 8
+
+
+def _said_values(values: Mapping[str, list[str]]) -> str:
+    """What the shards hold of one key, for a message: the first `SHOWN_VALUES` values (each
+    cut by `shown_metadata`) with the first `SHOWN_SHARDS` shards holding each, and how many
+    more of each there are."""
+
+    def named(files: list[str]) -> str:
+        more = f" and {len(files) - SHOWN_SHARDS:,} more" if len(files) > SHOWN_SHARDS else ""
+        return ", ".join(files[:SHOWN_SHARDS]) + more
+
+    shown = list(values.items())[:SHOWN_VALUES]
+    said = "; ".join(f"{shown_metadata(value)} in {named(files)}" for value, files in shown)
+    if len(values) > SHOWN_VALUES:
+        rest = sum(len(files) for files in list(values.values())[SHOWN_VALUES:])
+        said += f"; and {len(values) - SHOWN_VALUES:,} more values in {rest:,} more shards"
+    return said
+
+
 def shared_metadata(headers: list[SafetensorsHeader]) -> dict[str, str]:
     """The `__metadata__` of a model's shards as one: every key of any shard whose shards
     agree on its value (a key only some shards hold is kept: an alias huggingface_hub records
@@ -404,10 +429,11 @@ class SafetensorsCheckpoint(Checkpoint):
                 if key not in kept:
                     held.setdefault(key, {}).setdefault(value, []).append(header.file)
         out = []
-        for key, values in held.items():
-            said = "; ".join(
-                f"{shown_metadata(value)} in {', '.join(files)}" for value, files in values.items()
-            )
+        # the keys the writer sets first: what the output holds of them is always said
+        keys = sorted(held, key=lambda k: written is None or k not in written)
+        for key in keys[:SHOWN_KEYS]:
+            values = held[key]
+            said = _said_values(values)
             if written is not None and key in written:
                 # the writer sets it all the same (`format: pt`, which transformers needs)
                 out.append(
@@ -418,6 +444,14 @@ class SafetensorsCheckpoint(Checkpoint):
             out.append(
                 f"__metadata__ key {key!r} differs between the shards ({said}): left out of "
                 "the output, which holds one value per key (set it again by hand if needed)"
+            )
+        if len(keys) > SHOWN_KEYS:
+            rest = keys[SHOWN_KEYS:]
+            named = ", ".join(shown_metadata(k) for k in rest[:SHOWN_KEYS])
+            more = f" and {len(rest) - SHOWN_KEYS:,} more" if len(rest) > SHOWN_KEYS else ""
+            out.append(
+                f"{len(rest):,} more __metadata__ keys differ between the shards ({named}{more}): "
+                "left out of the output (`ckpt inspect` of each shard shows its values)"
             )
         return out
 

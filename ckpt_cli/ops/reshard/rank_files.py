@@ -100,7 +100,9 @@ def reshard_record(
     from ...sources.layouts.training import resharded
 
     earlier = resharded(source, rel)
-    saved = earlier["saved_world_size"] if earlier and earlier["saved_world_size"] else before
+    # an earlier cut's record that cannot be read: the world size the run saved it at is
+    # unknown (null), never the one this cut starts from
+    saved = before if earlier is None else earlier["saved_world_size"] or None
     record = {
         "ckpt_reshard": 1,
         "saved_world_size": saved,

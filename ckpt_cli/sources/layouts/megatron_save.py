@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from ...errors import MissingRanksError
+from ...errors import MissingRanksError, UnsafeInputError
 from ...formats.base import Source
 from ...models import FileInfo, Problem
 from ...sizes import counted
@@ -38,6 +38,7 @@ from .megatron_legacy import (
 
 if TYPE_CHECKING:
     from .base import OpenedSource
+    from .megatron_legacy import MissingRanks
 
 
 #: the layout token of a whole legacy save read as one checkpoint (`LayoutInfo.layout`)
@@ -85,7 +86,9 @@ def whole_save(source: Source) -> WholeSave | None:
         from .composite import subfolder_source
 
         save = subfolder_source(source, named)
-    refuse_missing_ranks(save.location.raw, megatron_missing_ranks(save.storage, "", save.files))
+    found = megatron_missing_ranks(save.storage, "", save.files)
+    refuse_linked_out(save, found)
+    refuse_missing_ranks(save.location.raw, found)
     folders = sorted(name for name, whole in rank_folders(save.files).items() if whole)
     sizes, _flags = megatron_legacy_args(save.storage, "", save.files)
     return WholeSave(save, folders, sizes)
@@ -211,8 +214,29 @@ def refuse_incomplete_save(source: Source) -> None:
     folders, naming them; nothing for a complete one or any other SRC."""
     from ..runs.judge import megatron_missing_ranks
 
-    refuse_missing_ranks(
-        source.location.raw, megatron_missing_ranks(source.storage, "", source.files)
+    found = megatron_missing_ranks(source.storage, "", source.files)
+    refuse_linked_out(source, found)
+    refuse_missing_ranks(source.location.raw, found)
+
+
+def refuse_linked_out(save: Source, found: MissingRanks | None) -> None:
+    """Refuse (`UnsafeInputError`, exit 4) a legacy save whose missing rank folder is a link
+    out of it: the listing walks no link out, so it read as lost, and the fix said to restore
+    it from the node that wrote it; it is there, where ckpt reads nothing."""
+    if found is None:
+        return
+    # one lstat a name, for the first 1,024 (args may call for a million folders, none here)
+    out = save.storage.links_out(found.missing[:1024])
+    if not out:
+        return
+    name, where = next(iter(out.items()))
+    more = f" (and {len(out) - 1:,} more rank folders)" if len(out) > 1 else ""
+    at = save.storage.describe(name)
+    raise UnsafeInputError(
+        f"rank folder {name}/ is a link that points outside the save ({where}){more}: ckpt "
+        "reads no path out of the checkpoint it was given",
+        path=at,
+        fix=f"Copy the rank folder in instead of linking it (`rm {at} && cp -r {where} {at}`).",
     )
 
 

@@ -15,7 +15,7 @@ from ...formats.base import Checkpoint, Source
 from ...formats.names import RESHARD_RECORD
 from ...models import Entry, Manifest, OptimizerState, Problem, ProblemList, TrainingState
 from .base import REQUIRED, OpenedSource, top_keys
-from .ranks import RANK_RNG_CODES
+from .ranks import MAX_FILE_NUMBER, RANK_RNG_CODES
 
 if TYPE_CHECKING:
     from .composite import Folder
@@ -709,17 +709,28 @@ def training_checks(opened: OpenedSource, exact: bool = False) -> list[Problem]:
         # 0: a record that could not be read (the world sizes are unknown, the cut is not)
         was = state.resharded["saved_world_size"] or "?"
         now = state.resharded["world_size"] or "?"
+        record = state.reshard_record or RESHARD_RECORD
+        cut = (
+            f"`ckpt reshard` cut it from the {was} rank(s) the run saved it at for {now} ({record})"
+        )
+        on = f"{was} rank(s)"
+        if state.reshard_record_problem is not None:
+            # the record says the folder was cut; what it says of the world sizes is unread
+            cut = (
+                f"`ckpt reshard` cut it for another world size, but its {record} "
+                f"{state.reshard_record_problem}, so the world size the run saved it at is "
+                "unknown"
+            )
+            on = "the world size the run saved it at (its launch command or logs say it)"
         problems.append(
             Problem(
                 code="resharded_world_size",
-                message=f"{where}: `ckpt reshard` cut it from the {was} rank(s) the run saved "
-                f"it at for {now} ({state.reshard_record or RESHARD_RECORD}): every rank reads another shard of the data "
-                "and draws from another RNG stream than the saved run did; resumable, but not "
-                "exactly",
+                message=f"{where}: {cut}: every rank reads another shard of the data and draws "
+                "from another RNG stream than the saved run did; resumable, but not exactly",
                 file=where,
                 severity="error" if exact else "warning",
-                fix=f"For an exact resume, resume on {was} rank(s) from the save the run "
-                "wrote; a resume on another world size is never bit-identical.",
+                fix=f"For an exact resume, resume on {on} from the save the run wrote; a resume "
+                "on another world size is never bit-identical.",
             )
         )
     opt = state.optimizer
@@ -1001,7 +1012,7 @@ def _resharded_note(record: dict[str, int]) -> str:
 def note_resharded(state: TrainingState, source: Source, rel: str) -> None:
     """`state` (its verdict given) with what the `ckpt-reshard.json` at `rel` of `source` says:
     a save `ckpt reshard --world-size` cut for another world size resumes, never exactly."""
-    state.resharded = resharded(source, rel)
+    state.resharded, state.reshard_record_problem = read_reshard_record(source, rel)
     if state.resharded is not None:
         state.reshard_record = rel
         state.missing_exact.append(_resharded_note(state.resharded))
@@ -1011,23 +1022,43 @@ def note_resharded(state: TrainingState, source: Source, rel: str) -> None:
 def resharded(source: Source, rel: str) -> dict[str, int] | None:
     """What the `ckpt-reshard.json` at `rel` of `source` says (`TrainingState.resharded`), or
     None where there is none. A record that cannot be read still says the folder was
-    resharded: its world sizes are then 0 (unknown)."""
+    resharded: its world sizes are then 0 (unknown; `read_reshard_record` says why)."""
+    return read_reshard_record(source, rel)[0]
+
+
+def read_reshard_record(source: Source, rel: str) -> tuple[dict[str, int] | None, str | None]:
+    """(`resharded`, why the record could not be read or None). The record is ckpt's own, but
+    a folder's files are its owner's: a record past the JSON budget is not read, one nested too
+    deep for the parser, not JSON, not an object, or whose world sizes are no positive counts
+    of ranks (`MAX_FILE_NUMBER` at most) gives unknown world sizes (0), never a crash."""
     if rel not in source.files:
-        return None
+        return None, None
     size = source.files.get(rel) or 0
     unknown = {"saved_world_size": 0, "world_size": 0}
-    if json_record_over_budget(size) is not None:
-        return unknown
+    over = json_record_over_budget(size)
+    if over is not None:
+        return unknown, over
     try:
         record = json.loads(source.storage.read_all(rel))
-    except (ValueError, OSError):
-        return unknown
+    except RecursionError:  # `[[[[...`: deeper than the parser goes; no record ckpt wrote
+        return unknown, "is nested too deep to be the record `ckpt reshard` writes"
+    except (ValueError, OSError) as exc:
+        return unknown, f"cannot be read as JSON ({str(exc)[:200]})"
     if not isinstance(record, dict):
-        return unknown
+        return (
+            unknown,
+            f"holds a JSON {type(record).__name__}, not the object `ckpt reshard` writes",
+        )
     out = {k: record.get(k) for k in unknown}
-    if not all(type(v) is int and v > 0 for v in out.values()):
-        return unknown
-    return {k: int(v) for k, v in out.items() if isinstance(v, int)}
+    for key, value in out.items():
+        if value is None:
+            return unknown, f"does not say {key}"
+        if type(value) is not int or not 0 < value <= MAX_FILE_NUMBER:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "…"
+            return unknown, (
+                f"gives {key} {shown}, not a number of ranks (1 to {MAX_FILE_NUMBER:,})"
+            )
+    return {k: int(v) for k, v in out.items() if isinstance(v, int)}, None
 
 
 def finish(
@@ -1039,7 +1070,7 @@ def finish(
     if folder is not None:
         state.unreadable = dict(folder.unreadable)
         record = folder.rel(RESHARD_RECORD)
-        state.resharded = resharded(folder.source, record)
+        state.resharded, state.reshard_record_problem = read_reshard_record(folder.source, record)
         if state.resharded is not None:
             state.reshard_record = record
         # a rank's RNG file the save before held (`ranks_lost_since`) was lost, not perhaps on

@@ -18,7 +18,7 @@ from ...errors import NotFoundError, UsageError
 from ...faults import no_verdict
 from ...formats.base import Source
 from ...formats.names import CHECKPOINT_SUFFIXES, is_checkpoint_file
-from ...storage import LocalStorage, Storage, is_parity_path
+from ...storage import LocalStorage, Storage, is_parity_path, real_path
 from .listing import RunListing
 from .naming import SUBFOLDERS, collect, holds_run, in_parity, match_name, refuse_run_of_runs
 from .records import DEFAULT_SETTLE, Found, RunCheckpoint, RunReport
@@ -209,11 +209,11 @@ class LocalListing(RunListing):
         for folder in scan_dirs(self.root):
             for entry in self._list(folder):
                 if entry.is_symlink():
-                    real = os.path.realpath(entry)
+                    real = real_path(entry)
                     if real.startswith(real_root + os.sep):
                         targets.add(real)
         for c in checkpoints:
-            if not c.symlink and os.path.realpath(c.path) in targets:
+            if not c.symlink and real_path(c.path) in targets:
                 c.markers.append("link-target")
 
 
