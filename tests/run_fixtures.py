@@ -7,6 +7,7 @@ settle window, the way a finished save looks to a later `ckpt prune`; tests that
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -23,6 +24,20 @@ HOUR = 3600.0
 
 #: eval_loss logged at each Trainer save: the best (200) is not the newest
 EVAL_LOSS = {100: 0.90, 200: 0.40, 300: 0.70, 400: 0.65, 500: 0.60}
+
+
+class LossWindow:
+    """What scripts register with accelerate (`register_for_checkpointing`): the last losses,
+    in a deque (not a plain value), so accelerate pickles the object whole."""
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[float] = collections.deque(maxlen=4)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recent": self.recent}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.recent = state["recent"]
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:

@@ -11,29 +11,14 @@ never loaded, as a Trainer's `training_args.bin` is.
 
 from __future__ import annotations
 
-import collections
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from .conftest import run_ckpt
-from .run_fixtures import age
-
-
-class _LossWindow:
-    """What scripts register: the last losses, in a deque (not a plain value)."""
-
-    def __init__(self) -> None:
-        self.recent: collections.deque[float] = collections.deque(maxlen=4)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"recent": self.recent}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.recent = state["recent"]
+from .run_fixtures import LossWindow, age
 
 
 @pytest.mark.slow
@@ -48,7 +33,7 @@ def test_a_registered_object_accelerate_unpickles_is_listed_not_a_broken_save(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    window = _LossWindow()
+    window = LossWindow()
     accelerator.register_for_checkpointing(window)
     saves = []
     for step in (1, 2):

@@ -14,7 +14,6 @@ nothing of its class imported or run), any other pickle by its bytes.
 
 from __future__ import annotations
 
-import collections
 import json
 import pickle
 import shutil
@@ -26,6 +25,7 @@ import pytest
 import torch
 
 from .conftest import run_ckpt
+from .run_fixtures import LossWindow
 
 
 def _diffed(a: Path, b: Path, *options: str) -> dict[str, Any]:
@@ -43,19 +43,6 @@ def _changed(report: dict[str, Any]) -> list[str]:
         + report["only_a"]
         + report["only_b"]
     )
-
-
-class _LossWindow:
-    """A registered object keeping its last losses in a deque: accelerate pickles it whole."""
-
-    def __init__(self) -> None:
-        self.recent: collections.deque[float] = collections.deque(maxlen=4)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"recent": self.recent}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.recent = state["recent"]
 
 
 @pytest.mark.frameworks
@@ -77,7 +64,7 @@ def test_accelerate_saves_differing_in_the_sampler_or_a_registered_object_are_di
     rows = torch.utils.data.TensorDataset(torch.randn(16, 8))
     loader = torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    window = _LossWindow()
+    window = LossWindow()
     accelerator.register_for_checkpointing(window)
     for (x,) in loader:
         accelerator.backward(model(x).square().mean())
