@@ -196,3 +196,19 @@ def test_a_reshard_keeps_a_format_every_shard_agrees_on(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.stdout + result.stderr
     assert all(m == {"format": "flax"} for m in _output_metadata(dest))
     assert not [w for w in result.json["result"]["warnings"] if "__metadata__" in w]
+
+
+def test_inspect_shows_a_long_metadata_value_cut_and_json_holds_it_whole(tmp_path: Path) -> None:
+    """A writer's note of a megabyte in `__metadata__` filled the terminal: the text report
+    printed it whole on one line. It now shows the start and the length; `--json` keeps it."""
+    note = "x" * 1_000_000
+    model = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(4)}, model, metadata={"format": "pt", "note": note})
+    shown = run_ckpt("inspect", model)
+    assert shown.exit_code == 0, shown.stderr
+    assert len(shown.stdout) < 5_000
+    assert (
+        "format=pt" in shown.stdout and "(1,000,000 chars; --json shows it whole)" in shown.stdout
+    )
+    whole = run_ckpt("inspect", model, "--json")
+    assert whole.json["result"]["metadata"]["note"] == note

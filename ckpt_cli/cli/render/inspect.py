@@ -264,7 +264,9 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
         parts = [f"{name} {human_count(n)}" for name, n in report.state_elements.items()]
         stdout.print(f"  state elements (not parameters): {', '.join(parts)}")
     if report.metadata:
-        stdout.print("  metadata: " + ", ".join(f"{k}={v}" for k, v in report.metadata.items()))
+        stdout.print(
+            "  metadata: " + ", ".join(f"{k}={_shown_value(v)}" for k, v in report.metadata.items())
+        )
     unsupported = report.details.get("unsupported_tensors") or {}
     if unsupported:
         listed = ", ".join(
@@ -333,3 +335,15 @@ def render_inspect(report: InspectReport, show_tensors: bool) -> None:
         _add(tree, report.tree)
         stdout.print()
         stdout.print(tree)
+
+
+#: the characters of a `__metadata__` value the text report shows (`--json` holds it whole): a
+#: writer's note can be megabytes, a screen's worth of one line is enough to tell what it is
+SHOWN_VALUE_CHARS = 200
+
+
+def _shown_value(value: str) -> str:
+    """`value`, cut at `SHOWN_VALUE_CHARS` with how long it is and where it is whole."""
+    if len(value) <= SHOWN_VALUE_CHARS:
+        return value
+    return f"{value[:SHOWN_VALUE_CHARS]}… ({len(value):,} chars; --json shows it whole)"
