@@ -109,15 +109,17 @@ def test_a_hostile_reshard_record_is_a_problem_that_says_why_never_a_crash(
 
 
 def _shards_each_with_its_own_value(folder: Path, shards: int, value_bytes: int) -> Path:
-    """`shards` safetensors files (saved by safetensors) each holding its own `note` of
-    `value_bytes` characters (and its own `key_i`, 20 keys in all that differ), and their index."""
+    """`shards` safetensors files (saved by safetensors) each holding its own `comment` of
+    `value_bytes` characters (and its own `key_i`, 21 keys in all that differ), and their
+    index. safetensors writes the keys in another order in each process: the warnings name
+    them in the order of their names (`comment` first)."""
     from safetensors.torch import save_file
 
     folder.mkdir()
     weight_map = {}
     for i in range(shards):
         name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        metadata = {"format": "pt", "note": f"{i:08d}" * (value_bytes // 8)}
+        metadata = {"format": "pt", "comment": f"{i:08d}" * (value_bytes // 8)}
         metadata |= {f"key_{k}": str(i) for k in range(20)}
         save_file({f"layers.{i}.weight": torch.zeros(4)}, folder / name, metadata=metadata)
         weight_map[f"layers.{i}.weight"] = name
@@ -143,7 +145,10 @@ def test_500_shards_each_with_its_own_1_mb_value_are_told_in_a_few_bounded_lines
         # the 21 keys that differ: 8 told one by one, the other 13 named in one more
         assert len(warnings) == 9, warnings
         assert all(len(w) < 1200 for w in warnings), [len(w) for w in warnings]
-        [note] = [w for w in warnings if w.startswith("__metadata__ key 'note'")]
+        # in the order of their names, whatever order each file wrote them in
+        shown = [w.split("'")[1] for w in warnings[:8]]
+        assert shown == ["comment", *(f"key_{k}" for k in (0, 1, 10, 11, 12, 13, 14))], shown
+        [note] = [w for w in warnings if w.startswith("__metadata__ key 'comment'")]
         assert "model-00001-of-00500.safetensors" in note and "(1,000,000 chars)" in note
         assert "and 497 more values in 497 more shards" in note, note
         assert warnings[-1].startswith("13 more __metadata__ keys differ"), warnings[-1]

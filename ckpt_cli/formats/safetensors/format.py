@@ -429,8 +429,10 @@ class SafetensorsCheckpoint(Checkpoint):
                 if key not in kept:
                     held.setdefault(key, {}).setdefault(value, []).append(header.file)
         out = []
-        # the keys the writer sets first: what the output holds of them is always said
-        keys = sorted(held, key=lambda k: written is None or k not in written)
+        # the keys the writer sets first (what the output holds of them is always said), then
+        # by name: safetensors writes a file's `__metadata__` in its hash map's order, which
+        # differs from one process to the next, and the message must not
+        keys = sorted(held, key=lambda k: (written is None or k not in written, k))
         for key in keys[:SHOWN_KEYS]:
             values = held[key]
             said = _said_values(values)
