@@ -57,11 +57,10 @@ def test_a_name_of_thousands_of_dots_is_one_line_of_the_tree_not_a_crash(
     assert any(path.endswith("a.a.a.w") for path in _leaves(tree))
 
 
-def test_names_that_share_their_prefixes_fold_as_the_long_way_did(tmp_path: Path) -> None:
-    """The tree finds an entry's parent by its whole prefix (#30: a prefix is walked once, not
-    once per entry under it). Numbered blocks still fold into one node per position, a name
-    that is also a prefix keeps its own line, and odd components (`""`, `²`, digits beside
-    words) stay apart."""
+def test_numbered_blocks_fold_and_odd_components_stay_apart(tmp_path: Path) -> None:
+    """Numbered blocks fold into one node per position, a name that is also a prefix keeps
+    its own count, and odd components (`""`, `²`, digits beside letters) are nodes of their
+    own: none of them is taken for a folded block."""
     names = [
         *(
             f"model.layers.{i}.mlp.experts.{e}.{p}.weight"

@@ -56,11 +56,6 @@ FOLDED = None
 #: serialises it, recurse that deep
 MAX_DEPTH = 64
 
-#: how many components `_walk` steps back from a prefix, looking for one already walked, before
-#: it walks the rest from the root: each step copies the name, so a name of one long component
-#: costs a few copies, not one per dot
-LOOK_BACK = 4
-
 
 class _Builder:
     """A node while the tree is built: what its own entries hold; `build` adds its subtree's."""
@@ -75,18 +70,6 @@ class _Builder:
         self.nbytes = 0
         self.dtypes: set[str | None] = set()
         self.shapes: set[tuple[int, ...]] = set()
-
-    def child(self, part: str) -> _Builder:
-        """The child for the component `part`: one folded child for every numeric one."""
-        # ASCII digits only: `int` refuses some characters `isdigit` takes (`²`)
-        numeric = part.isdigit() and part.isascii()
-        key = FOLDED if numeric else part
-        found = self.children.get(key)
-        if found is None:
-            found = self.children[key] = _Builder()
-        if numeric:
-            found.indices.append(int(part))
-        return found
 
     def build(self, name: str | None) -> TreeNode:
         if name is FOLDED:
@@ -109,30 +92,22 @@ def build_tree(entries: list[Entry]) -> list[TreeNode]:
     """The folded tree of `entries` (top-level nodes), in one pass over the names.
 
     Each entry is counted at its own node only; a node's totals (its subtree's) are summed
-    once, when the tree is built, not added along the path of every entry. An entry's parent
-    is found by its whole dotted prefix, so the components of a prefix are walked once, not
-    once for every entry under it (a large model's names share almost all of theirs: #30).
+    once, when the tree is built, not added along the path of every entry.
     """
     root = _Builder()
-    parents: dict[str, _Builder] = {}
     for entry in entries:
-        name = entry.name
-        if name.count(".") < MAX_DEPTH:
-            prefix, dot, leaf = name.rpartition(".")
-            parent = root
-            if dot:
-                found = parents.get(prefix)
-                parent = found if found is not None else _walk(root, prefix, parents)
-            # `parent.child(leaf)`, inlined: this line runs once per entry
-            named = None if leaf.isdigit() and leaf.isascii() else parent.children.get(leaf)
-            if named is not None:
-                node = named
-            else:
-                node = parent.child(leaf)
-        else:
-            node = root
-            for part in name.split(".", MAX_DEPTH - 1):
-                node = node.child(part)
+        node = root
+        for part in entry.name.split(".", MAX_DEPTH - 1):
+            # ASCII digits only: `int` refuses some characters `isdigit` takes (`²`)
+            numeric = part.isdigit() and part.isascii()
+            children = node.children
+            key = FOLDED if numeric else part
+            child = children.get(key)
+            if child is None:
+                child = children[key] = _Builder()
+            if numeric:
+                child.indices.append(int(part))
+            node = child
         if entry.kind == "tensor":
             node.tensors += 1
             node.dtypes.add(entry.dtype)
@@ -142,33 +117,6 @@ def build_tree(entries: list[Entry]) -> list[TreeNode]:
         node.nbytes += entry.nbytes
         node.shapes.add(tuple(entry.shape))
     return [child.build(key) for key, child in root.children.items()]
-
-
-def _walk(root: _Builder, prefix: str, parents: dict[str, _Builder]) -> _Builder:
-    """The node of the dotted `prefix`, made from a prefix of it already walked (at most
-    `LOOK_BACK` components back, else from the root), with the prefixes stepped through
-    remembered in `parents`."""
-    missing: list[str] = []
-    head, node = prefix, root
-    path: str | None = None  # the dotted path of `node`; None for the root
-    for _ in range(LOOK_BACK):
-        head, dot, part = head.rpartition(".")
-        missing.append(part)
-        if not dot:
-            break
-        found = parents.get(head)
-        if found is not None:
-            node, path = found, head
-            break
-    else:  # none of the last few prefixes walked yet: walk the rest of the name from the root
-        for part in head.split("."):
-            node = node.child(part)
-        path = head
-    for part in reversed(missing):
-        node = node.child(part)
-        path = part if path is None else f"{path}.{part}"
-        parents[path] = node
-    return node
 
 
 def collapse_chains(node: TreeNode) -> TreeNode:
