@@ -190,6 +190,22 @@ def test_a_name_safetensors_cannot_hold_is_refused_before_writing(
     assert sorted(_read(tmp_path / "kept")) == sorted([name, "b"])
 
 
+def test_dcp_safetensors_serialization_refuses_a_tensor_named_metadata(tmp_path: Path) -> None:
+    """A DCP file's embedded safetensors blob keys chunks by name beside its `__metadata__`:
+    a tensor of that name overwrote the metadata and the output failed ckpt's own check, "a
+    bug in ckpt". It is refused before writing (exit 4); the default torch_save keeps it."""
+    src = tmp_path / "m.pt"
+    torch.save(_tensors(["__metadata__", "b"]), src)
+    out = tmp_path / "out"
+    refused = run_ckpt("convert", src, out, "--to", "dcp", "--dcp-serialization", "safetensors")
+    assert refused.exit_code == 4, refused.stderr
+    assert "bug" not in refused.stderr and "'__metadata__'" in refused.stderr
+    assert not out.exists()
+    kept = run_ckpt("convert", src, out, "--to", "dcp")
+    assert kept.exit_code == 0, kept.stderr
+    assert sorted(_read(out)) == ["__metadata__", "b"]
+
+
 def test_a_state_dict_nested_as_deep_as_the_reader_admits_converts_to_torch(
     tmp_path: Path,
 ) -> None:
