@@ -77,10 +77,11 @@ if TYPE_CHECKING:
 _PEFT_PREFIX = "base_model.model."
 _LORA = re.compile(
     r"(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B"
-    r"|lora_magnitude_vector)(?:\.weight)?$"
+    r"|lora_magnitude_vector)(?:\.weight)?$",
+    re.DOTALL,  # a module name may hold any character, a line break too
 )
 #: the bias of a `lora_B` layer (`lora_bias=True`): added into the base layer's bias
-_LORA_BIAS = re.compile(r"(?P<module>.+)\.lora_B\.bias$")
+_LORA_BIAS = re.compile(r"(?P<module>.+)\.lora_B\.bias$", re.DOTALL)
 #: the weight dtypes peft adds a LoRA update into (an FP8 weight fails in torch; an integer
 #: one holds quantized codes)
 _MERGEABLE = frozenset({"float16", "bfloat16", "float32", "float64"})

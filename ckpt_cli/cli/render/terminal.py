@@ -14,8 +14,12 @@ from typing import NoReturn, TextIO
 UNWRAPPED_WIDTH = 1_000_000
 
 # C0 controls but newline, DEL, C1 controls, and the bidi / direction marks and overrides
-# (U+061C, U+200E-F, U+202A-E, U+2066-9): characters a name must never send to a terminal
-_UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# (U+061C, U+200E-F, U+202A-E, U+2066-9): characters a name must never send to a terminal;
+# and lone surrogates (U+D800-DFFF), which a pickled or DCP name may hold and no UTF-8
+# stream can write (the encoder raised after the command's work was done)
+_UNSAFE = re.compile(
+    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
 
 
 def _escape_char(match: re.Match[str]) -> str:
@@ -24,7 +28,8 @@ def _escape_char(match: re.Match[str]) -> str:
 
 
 def safe_text(text: str) -> str:
-    """`text` with control and bidi characters written as visible escapes (`\\x1b`, `\\u202e`).
+    """`text` with control and bidi characters and lone surrogates written as visible escapes
+    (`\\x1b`, `\\u202e`, `\\udc80`).
 
     Names come from checkpoints, i.e. from anyone: `ESC[2J` must not clear the user's screen,
     and U+202E must not make `gpj.exe` read as `exe.jpg`. JSON output keeps the real names.

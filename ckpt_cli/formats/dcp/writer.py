@@ -149,6 +149,14 @@ class DcpWriter(Writer):
                     "serialization cannot store",
                     fix="Use --dcp-serialization torch_save (the default), which keeps it.",
                 )
+            if self.serialization == "safetensors" and entry.name == "__metadata__":
+                # the embedded blob's header keys chunks by name beside its own metadata
+                raise FormatError(
+                    "the safetensors serialization cannot name a tensor '__metadata__': the "
+                    "key is reserved for the header's metadata",
+                    fix="Use --dcp-serialization torch_save (the default), which keeps it, or "
+                    "rename it with --rename OLD=NEW.",
+                )
             chunks = self._plan_chunks(entry)
             self.layout[entry.name] = chunks
             self.results[entry.name] = [None] * len(chunks)

@@ -641,6 +641,15 @@ def shard_names(basename: str, count: int) -> list[str]:
     return [f"{basename}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def can_name_tensor(name: str) -> bool:
+    """Whether a safetensors header can hold a tensor named `name`: not the reserved
+    `__metadata__` key, and valid UTF-8 (a pickled or DCP name may hold a lone surrogate)."""
+    return name != "__metadata__" and not _LONE_SURROGATE.search(name)
+
+
 class SafetensorsWriter(Writer):
     """Streams tensors into safetensors shards laid out from the plan; index last."""
 
@@ -660,6 +669,16 @@ class SafetensorsWriter(Writer):
                 + (f" and {len(unstorable) - 1} more" if len(unstorable) > 1 else "")
                 + ")",
                 fix="Leave them out with --filter-out, or convert to dcp or torch, which keep them.",
+            )
+        forbidden = [e.name for e in plan if not can_name_tensor(e.name)]
+        if forbidden:
+            raise FormatError(
+                f"safetensors cannot name the tensor {forbidden[0]!r}"
+                + (f" (and {len(forbidden) - 1} more)" if len(forbidden) > 1 else "")
+                + ": its header is UTF-8 JSON, whose key '__metadata__' is reserved and which "
+                "has no lone surrogate (\\ud800-\\udfff)",
+                fix="Rename it with --rename OLD=NEW, leave it out with --filter-out, or "
+                "convert to dcp or torch, which keep any name.",
             )
         self.metadata = dict(options.metadata)
         self.basename = options.basename or "model"

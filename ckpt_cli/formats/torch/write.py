@@ -48,9 +48,23 @@ class _Node:
         self.children: dict[str | int, Any] = {}
 
     def materialize(self) -> Any:
-        values = {
-            k: v.materialize() if isinstance(v, _Node) else v for k, v in self.children.items()
-        }
+        """The container and everything below it, built from the deepest node up: without
+        recursion, as a file may legitimately nest containers as deep as the reader admits
+        (`flatten.MAX_DEPTH`), past Python's own recursion limit."""
+        order: list[_Node] = []  # parents before their children
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(v for v in node.children.values() if isinstance(v, _Node))
+        built: dict[int, Any] = {}
+        for node in reversed(order):
+            built[id(node)] = node._built(built)
+        return built[id(self)]
+
+    def _built(self, built: dict[int, Any]) -> Any:
+        """This container, its child nodes already in `built` (by `id`)."""
+        values = {k: built[id(v)] if isinstance(v, _Node) else v for k, v in self.children.items()}
         if self.kind == "list":
             return [values[k] for k in sorted(values, key=lambda k: int(k))]
         if self.kind == "tuple":

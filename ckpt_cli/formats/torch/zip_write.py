@@ -40,10 +40,12 @@ import weakref
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any
 
 from ...dtypes import STORAGE_DTYPES, is_known, itemsize
 from ...storage.fileio import FileRange
+from .flatten import MAX_DEPTH
 
 if TYPE_CHECKING:
     import torch
@@ -135,6 +137,24 @@ class Reduced:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (self.func, self.args)
+
+
+#: Python frames the pickler spends per level of nesting (save, a container's items, the
+#: `persistent_id` call), with room to spare
+_FRAMES_PER_LEVEL = 4
+
+
+@contextmanager
+def _deep_enough() -> Iterator[None]:
+    """Let the pickler recurse as deep as a file the reader admits may nest (`MAX_DEPTH`):
+    pickling recurses per level, and a 990-deep dict read from a torch.save file ran out of
+    Python's default limit of 1,000 frames writing it back ("a bug in ckpt")."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(before, before + _FRAMES_PER_LEVEL * MAX_DEPTH))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(before)
 
 
 class _Pickler(pickle.Pickler):
@@ -361,7 +381,8 @@ class TorchZipWriter:
         buf = io.BytesIO()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TypedStorage's deprecation notice
-            _Pickler(buf, self).dump(obj)
+            with _deep_enough():
+                _Pickler(buf, self).dump(obj)
         data = torch_names(buf.getvalue(), self._used) if self._used else buf.getbuffer()
         self._record("data.pkl", data, len(data))
         for name, text in (

@@ -411,7 +411,7 @@ def plan_transfer(
     restored: dict[str, str] = {}  # output name of a recorded alias -> the source name it is
     for entry, name in chosen:
         new_name = rename(name, renames)
-        if not new_name:
+        if not new_name and name:  # a source's own empty name is a name like any other
             raise UsageError(
                 f"--rename turns {entry.name!r} into an empty name",
                 fix="Give each --rename rule a NEW prefix, or leave that entry out with "
