@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 
+from ckpt_cli.formats.names import DCP_METADATA
+
 from .conftest import run_ckpt
 from .dist_helpers import dcp_save, training_state
 from .run_fixtures import trainer_checkpoint, trainer_run
@@ -47,6 +49,8 @@ def _megatron_legacy(request: pytest.FixtureRequest, tmp: Path) -> Path:
 def _fixture(name: str, *path: str) -> Builder:
     def build(request: pytest.FixtureRequest, tmp: Path) -> Path:
         value: Any = request.getfixturevalue(name)
+        if isinstance(value, tuple):  # (folder, what its framework loads from it)
+            value = value[0]
         for part in path:
             value = value[part] if isinstance(value, dict) else value / part
         return Path(value)
@@ -80,12 +84,45 @@ DEEPSPEED = pytest.param(
 )
 # a whole legacy Megatron-LM save: `mp_rank_{tp}_{pp}/model_optim_rng.pt` of a 2 x 2 grid
 MEGATRON = pytest.param(_megatron_legacy, id="megatron-legacy")
-TRAINING = [TRAINER, DCP, TRAINER_REAL, ACCELERATE, FSDP, DEEPSPEED, MEGATRON]
+# the same accelerate FSDP2 run saved with FULL_STATE_DICT: `pytorch_model_fsdp{,_1}.bin` and
+# `optimizer{,_1}.bin` whole (gathered on rank 0), `random_states_{0,1}.pkl` per rank
+FSDP_FULL = pytest.param(
+    _fixture("accelerate_fsdp_saves", "full"),
+    id="accelerate-fsdp-full",
+    marks=[_FRAMEWORKS, pytest.mark.torchrun, pytest.mark.timeout(1200)],
+)
+# and through accelerate's per-rank path (`use_dcp=False`): every rank torch.save's its own part
+# of every model and optimizer (`pytorch_model_fsdp_0_rank1.bin`, `optimizer_1_rank0.bin`...)
+RANK_FILES = pytest.param(
+    _fixture("accelerate_fsdp_rank_files"),
+    id="accelerate-fsdp-rank-files",
+    marks=[_FRAMEWORKS, pytest.mark.torchrun, pytest.mark.timeout(1200)],
+)
+# a torchtitan `step-3/` DCP folder written by its own CheckpointManager: model, optimizer,
+# lr_scheduler, dataloader and train_state in one DCP
+TITAN = pytest.param(
+    _fixture("titan_run", "checkpoint", "step-3"),
+    id="torchtitan",
+    marks=[_FRAMEWORKS, pytest.mark.slow, pytest.mark.timeout(1200)],
+)
+TRAINING = [
+    TRAINER,
+    DCP,
+    TRAINER_REAL,
+    ACCELERATE,
+    FSDP,
+    DEEPSPEED,
+    MEGATRON,
+    FSDP_FULL,
+    RANK_FILES,
+    TITAN,
+]
 EVERY_LAYOUT = [*TRAINING, DIFFUSERS, PEFT]
 
 
 # fixtures of other test modules, shared here (pytest finds them by name)
 from .test_deepspeed import zero_runs  # noqa: E402,F401
+from .test_torchtitan import titan_run  # noqa: E402,F401
 
 
 def _files(root: Path) -> set[str]:
@@ -193,6 +230,12 @@ def _synthetic_run(request: pytest.FixtureRequest, tmp: Path) -> Path:
         pytest.param(
             _fixture("real_accelerate_run", "straight"), id="accelerate-real", marks=_FRAMEWORKS
         ),
+        # torchtitan's `checkpoint/step-{1,2,3}`: each step one DCP, rewritten to slim it
+        pytest.param(
+            _fixture("titan_run", "checkpoint"),
+            id="torchtitan",
+            marks=[_FRAMEWORKS, pytest.mark.slow, pytest.mark.timeout(1200)],
+        ),
     ],
 )
 @pytest.mark.parametrize("policy", list(PRUNES))
@@ -212,6 +255,17 @@ def test_prune_dry_run_writes_nothing_and_plans_every_component(
     slims = [d["slim"] for d in decisions if d["action"] == "slim"]
     assert (policy == "slim") == bool(slims)
     for slim in slims:
+        if slim["how"] == "rewrite":  # one DCP holds every component: its entries go by name
+            target = Path(slim["target"])
+            names = {
+                e["name"]
+                for e in run_ckpt("inspect", target, "--list", "--json").json["result"]["entries"]
+            }
+            assert "optimizer." in slim["prefixes"] and set(slim["components"]) >= {"optimizer"}
+            for prefix, component in zip(slim["prefixes"], slim["components"], strict=True):
+                assert prefix == f"{component}." and any(n.startswith(prefix) for n in names)
+            assert slim["bytes"] > 0 and not slim["listing"]
+            continue
         listed = {f["path"] for f in slim["listing"]}
         assert listed == _files(Path(slim["target"])), "the slim plan leaves a file unnamed"
         assert all(f["why"] for f in slim["listing"])
@@ -272,6 +326,51 @@ def test_dtype_casts_every_component_and_names_the_counters_it_keeps(
         assert all("float32" in w for w in said)
 
 
+@pytest.mark.parametrize("build", [DCP, FSDP_FULL, RANK_FILES, TITAN])
+def test_dtype_into_dcp_casts_every_component_as_dcp_load_reads_it(
+    request: pytest.FixtureRequest, tmp_path: Path, build: Builder
+) -> None:
+    """`convert --to dcp --dtype bf16` of a whole training save: dcp.load reads every floating
+    tensor of every component (each rank's part of a per-rank save too) as bf16, equal to the
+    source's value cast, the step counters as stored."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .dist_helpers import dcp_load_flat
+
+    src = build(request, tmp_path)
+    plain, cast = tmp_path / "plain", tmp_path / "cast"
+    for out, options in ((plain, ()), (cast, ("--dtype", "bf16"))):
+        result = run_ckpt("convert", src, out, "--to", "dcp", *options, "--json")
+        assert result.exit_code == 0, result.stdout + result.stderr
+    stored = FileSystemReader(str(cast)).read_metadata().state_dict_metadata
+    tensors = {
+        n: m.properties.dtype for n, m in stored.items() if isinstance(m, TensorStorageMetadata)
+    }
+    assert len(tensors) == _tensors(src)
+    kept = sorted(n for n, d in tensors.items() if d.is_floating_point and d != torch.bfloat16)
+    assert all(n.rpartition(".")[2] == "step" for n in kept), kept
+    # every component holds a cast tensor: the weights' and each optimizer's (every rank's)
+    cast_components = {n.split(".")[0] for n, d in tensors.items() if d == torch.bfloat16}
+    optimizers = {n.split(".")[0] for n in tensors if n.startswith("optimizer")}
+    assert optimizers and optimizers <= cast_components, optimizers - cast_components
+    listed = {
+        e["name"]: e
+        for e in run_ckpt("inspect", plain, "--list", "--json").json["result"]["entries"]
+    }
+    template = {
+        n: torch.empty(listed[n]["shape"], dtype=getattr(torch, listed[n]["dtype"]))
+        for n in tensors
+    }
+    want = dcp_load_flat(plain, template)
+    got = dcp_load_flat(
+        cast, {n: torch.empty(t.shape, dtype=tensors[n]) for n, t in template.items()}
+    )
+    for name, tensor in want.items():
+        expected = tensor.to(tensors[name])
+        assert got[name].dtype == expected.dtype and torch.equal(got[name], expected), name
+
+
 def test_dtype_says_so_when_it_keeps_a_lone_step_counter(tmp_path: Path) -> None:
     """A one-element `step` tensor is kept as stored under --dtype wherever it is: the report
     says so, rather than leave one float32 tensor in a bf16 output unexplained."""
@@ -323,7 +422,7 @@ def test_dtype_reaches_every_model_folder(
 
 
 @pytest.mark.parametrize("to", ["torch", "safetensors"])
-@pytest.mark.parametrize("build", [TRAINER, TRAINER_REAL, ACCELERATE])
+@pytest.mark.parametrize("build", [TRAINER, TRAINER_REAL, ACCELERATE, FSDP_FULL, RANK_FILES, TITAN])
 def test_max_shard_size_of_a_training_folder_writes_shards_that_read_back_whole(
     request: pytest.FixtureRequest, tmp_path: Path, build: Builder, to: str
 ) -> None:
@@ -377,7 +476,7 @@ def test_reshard_by_size_names_the_training_state_it_carries(
 # --filter / --filter-out: the same names in every component, in inspect, diff and convert
 
 
-@pytest.mark.parametrize("build", [TRAINER, DCP, DIFFUSERS])
+@pytest.mark.parametrize("build", [TRAINER, DCP, DIFFUSERS, FSDP_FULL, RANK_FILES, TITAN])
 def test_filter_sees_every_component_in_inspect_diff_and_convert(
     request: pytest.FixtureRequest, tmp_path: Path, build: Builder
 ) -> None:
@@ -526,23 +625,38 @@ def test_download_dry_run_writes_nothing_and_lists_every_component(
 # sync --dry-run: nothing written on either side; the plan names every component's files
 
 
+def _synthetic_two_saves(request: pytest.FixtureRequest, tmp: Path) -> Path:
+    return trainer_run(tmp / "run", (100, 200))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(_synthetic_two_saves, id="trainer"),
+        pytest.param(
+            _fixture("titan_run", "checkpoint"),
+            id="torchtitan",
+            marks=[_FRAMEWORKS, pytest.mark.slow, pytest.mark.timeout(1200)],
+        ),
+    ],
+)
 def test_sync_dry_run_writes_nothing_and_plans_every_component_file(
-    s3_server: Any, tmp_path: Path
+    s3_server: Any, request: pytest.FixtureRequest, tmp_path: Path, build: Builder
 ) -> None:
     from .s3_fixtures import list_keys, make_bucket
 
     make_bucket(s3_server.endpoint, "ckpts")
-    run = trainer_run(tmp_path / "run", (100, 200))
+    run = build(request, tmp_path)
     s3_server.requests.clear()  # the bucket's creation
-    before = _snapshot(tmp_path)
+    before = _snapshot(run, tmp_path)
     result = run_ckpt("sync", run, "s3://ckpts/run/", "--dry-run", "--json")
     assert result.exit_code == 0, result.stdout + result.stderr
-    assert _snapshot(tmp_path) == before
+    assert _snapshot(run, tmp_path) == before
     assert not [r for r in s3_server.requests if r.method in ("PUT", "POST", "DELETE")]
     assert not list(list_keys(s3_server.endpoint, "ckpts", "run/"))
     report = result.json["result"]
     planned = {c["name"]: c for c in report["checkpoints"]}
-    assert set(planned) == {"checkpoint-100", "checkpoint-200"}
+    assert set(planned) == {p.name for p in run.iterdir() if p.is_dir()}
     for name, plan in planned.items():  # every file of every component, counted and sized
         files = _files(run / name)
         assert plan["files"] == len(files), (name, plan)
@@ -579,3 +693,148 @@ def test_reshard_world_size_reaches_the_optimizer_and_a_dry_run_writes_nothing(
     assert any(n.startswith("optimizer.state.") for n in template)
     for name, tensor in original.items():  # the real reader: every tensor, bit for bit
         assert torch.equal(resharded[name], tensor), name
+
+
+# ---------------------------------------------------------------------------------------------
+# reshard of the saves accelerate loads file by file (FULL_STATE_DICT, per-rank files) and of
+# a torchtitan step: every component re-cut or carried, or refused naming the files and a fix
+# that works as written
+
+
+@pytest.mark.parametrize("build", [ACCELERATE, FSDP, FSDP_FULL, RANK_FILES])
+def test_reshard_by_size_of_an_accelerate_fsdp_save_names_its_weight_files_and_a_working_fix(
+    request: pytest.FixtureRequest, tmp_path: Path, build: Builder
+) -> None:
+    """accelerate loads each model file whole (per rank, for `use_dcp=False`): --max-shard-size
+    is refused. For the per-rank save the message named `model.safetensors`, a file it does not
+    hold, and its fix (`--select model`, or `--world-size N`) failed in turn: no entry is
+    `model` there, and --world-size refuses per-rank files. For the others, the fix's
+    `convert` command stopped at "Missing option '--to'"."""
+    import re
+
+    src = build(request, tmp_path)
+    out = tmp_path / "out"
+    before = _snapshot(src)
+    refused = run_ckpt("reshard", src, out, "--max-shard-size", "20KB", "--json")
+    assert refused.exit_code == 2, refused.stdout + refused.stderr
+    assert not out.exists() and _snapshot(src) == before
+    error = refused.json["error"]
+    named = re.findall(r"`([^`]+)`", error["problem"])
+    assert named, error["problem"]
+    for name in named:  # the weights as saved, read by their own reader
+        if name.endswith("/"):  # a SHARDED_STATE_DICT model: a DCP folder
+            from torch.distributed.checkpoint import FileSystemReader
+
+            assert FileSystemReader(str(src / name)).read_metadata().state_dict_metadata
+            continue
+        assert (src / name).is_file(), f"the message names {name}, which {src} does not hold"
+        assert torch.load(src / name, weights_only=True)
+    # the fix's command, run as written, cuts every component it keeps by size
+    command = re.search(r"`ckpt (convert [^`]+)`", error["fix"])
+    assert command, error["fix"]
+    values = {"SRC": src, "DEST": out, "SIZE": "20KB"}
+    done = run_ckpt(*[values.get(a, a) for a in command.group(1).split()], "--json")
+    assert done.exit_code == 0, done.stdout + done.stderr
+    shards = [f["path"] for f in done.json["result"]["files"] if not f["path"].endswith(".json")]
+    assert len(shards) > 1
+    assert run_ckpt("verify", out).exit_code == 0
+
+
+@pytest.mark.parametrize("build", [FSDP_FULL, RANK_FILES, TITAN])
+def test_reshard_world_size_reaches_every_component_or_names_what_it_cannot_recut(
+    request: pytest.FixtureRequest, tmp_path: Path, build: Builder
+) -> None:
+    """Saved on 2 ranks (FSDP) or 1 (torchtitan), re-cut for 4 or 2: the weights and the
+    optimizer of a FULL_STATE_DICT save are world-size free (carried byte for byte), a
+    torchtitan step is re-cut whole (read back by dcp.load, bit for bit), and per-rank files
+    are refused. The per-rank RNG / data-loader state asks for --rank-state, by file name."""
+    from .dist_helpers import dcp_load_flat
+
+    src = build(request, tmp_path)
+    titan = (src / DCP_METADATA).is_file()
+    world = "2" if titan else "4"
+    out = tmp_path / "out"
+    before, source = _snapshot(src, tmp_path), _snapshot(src)
+    asked = run_ckpt("reshard", src, out, "--world-size", world, "--json")
+    assert asked.exit_code == 2, asked.stdout + asked.stderr
+    message = asked.json["error"]["message"]
+    if "one file per rank" in message:  # accelerate's per-rank files: nothing re-cuts them
+        assert "optimizer_0_rank0.bin" in message and "--to dcp" in asked.json["error"]["fix"]
+        kept = run_ckpt("reshard", src, out, "--world-size", world, "--rank-state", "keep")
+        assert kept.exit_code == 2 and "one file per rank" in kept.stderr
+        assert _snapshot(src, tmp_path) == before and not out.exists()
+        return
+    per_rank = ["dataloader.dp_rank_0"] if titan else ["random_states_0.pkl", "random_states_1.pkl"]
+    assert all(name in message for name in per_rank), message
+    assert "--rank-state" in message
+    options = ("--world-size", world, "--rank-state", "replicate", "--json")
+    planned = run_ckpt("reshard", src, out, *options, "--dry-run")
+    assert planned.exit_code == 0, planned.stdout + planned.stderr
+    assert _snapshot(src, tmp_path) == before and not out.exists()
+    done = run_ckpt("reshard", src, out, *options)
+    assert done.exit_code == 0, done.stdout + done.stderr
+    assert _snapshot(src) == source, "reshard changed its source"
+    report = done.json["result"]
+    assert planned.json["result"]["tensors"] == report["tensors"]
+    if titan:
+        template = {
+            e["name"]: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+            for e in run_ckpt("inspect", src, "--list", "--json").json["result"]["entries"]
+            if e["kind"] == "tensor"
+        }
+        assert report["tensors"] == len(template)
+        assert {n.split(".")[0] for n in template} >= {"optimizer", "tok_embeddings", "layers"}
+        original = dcp_load_flat(src, {n: t.clone() for n, t in template.items()})
+        resharded = dcp_load_flat(out, {n: t.clone() for n, t in template.items()})
+        for name, tensor in original.items():  # the real reader: every tensor, bit for bit
+            assert torch.equal(resharded[name], tensor), name
+        verdict = run_ckpt("diff", src, out, "--json").json["result"]
+        # rank 0's data-loader position handed to the new rank 1, the world size said
+        assert verdict["only_a"] == [] and verdict["only_b"] == ["dataloader.dp_rank_1"]
+        assert [d["name"] for d in verdict["differences"]] == ["dataloader.world_size"]
+        return
+    # FULL_STATE_DICT: each model and optimizer file whole, the same for any world size
+    assert report["tensors"] == 0
+    whole = {p.name for p in src.iterdir() if not p.name.startswith("random_states_")}
+    assert set(report["carried"]) == whole
+    for name in whole:  # carried byte for byte, torch.load reads it
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+        assert torch.load(out / name, weights_only=True) is not None
+    rng = sorted(p.name for p in out.glob("random_states_*"))
+    assert rng == [f"random_states_{r}.pkl" for r in range(4)]
+    for r in (2, 3):  # the new ranks start from rank 0's RNG
+        assert (out / rng[r]).read_bytes() == (src / "random_states_0.pkl").read_bytes()
+    assert run_ckpt("verify", out).exit_code == 0
+
+
+@pytest.mark.parametrize("build", [FSDP_FULL, RANK_FILES, TITAN])
+def test_download_dry_run_of_a_save_on_the_hub_lists_every_component_file(
+    request: pytest.FixtureRequest, hub: Any, tmp_path: Path, build: Builder
+) -> None:
+    """A user pushes the whole save (a Trainer's `last-checkpoint/`, a torchtitan step) to the
+    Hub: `download --dry-run` lists every component's file, each rank's included, writes
+    nothing; the download then writes exactly those files, byte for byte. A torchtitan step
+    was refused as holding "no safetensors checkpoint (nor torch.save weights)"; --filter,
+    which cannot pick tensors out of a DCP's files, is refused saying so."""
+    src = build(request, tmp_path)
+    hub.add_repo("org/save", src)
+    dest = tmp_path / "dest"
+    before = _snapshot(src, tmp_path)
+    planned = run_ckpt("download", "hf://org/save", dest, "--dry-run", "--json")
+    assert planned.exit_code == 0, planned.stdout + planned.stderr
+    assert _snapshot(src, tmp_path) == before and not dest.exists()
+    report = planned.json["result"]
+    assert report["dry_run"] is True
+    listed = {f["path"] for f in report["files"]}
+    assert listed == _files(src), (sorted(_files(src) - listed), sorted(listed - _files(src)))
+    fetched = run_ckpt("download", "hf://org/save", dest, "--json")
+    assert fetched.exit_code == 0, fetched.stdout + fetched.stderr
+    assert _files(dest) == listed
+    for name in listed:
+        assert (dest / name).read_bytes() == (src / name).read_bytes(), name
+    assert run_ckpt("diff", src, dest).exit_code == 0
+    for narrowed in (("--filter", "*.weight"), ("--mode", "tensors")):
+        picked = run_ckpt("download", "hf://org/save", tmp_path / "picked", *narrowed, "--json")
+        assert picked.exit_code == 2, picked.stdout + picked.stderr
+        assert "downloaded whole" in picked.json["error"]["message"]
+        assert not (tmp_path / "picked").exists()

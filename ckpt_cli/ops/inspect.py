@@ -24,6 +24,7 @@ from ..quant import (
     prefetch_config,
 )
 from ..sources.layouts import OpenedSource
+from ..sources.layouts.base import is_model_component
 from ..sources.layouts.model_folders import LayoutInfo
 from ..sources.opening import open_source
 from ..sources.runs.records import RunReport
@@ -290,11 +291,6 @@ def _could_be_run(src: str) -> bool:
     return False
 
 
-#: the components that hold a model's weights: `model`, `model_1`... (several prepared models),
-#: `model_rank0` (a rank's FSDP part); not DeepSpeed's `model_states` (its bf16 module copy)
-_MODEL_COMPONENT = re.compile(r"model(_\d+)?(_rank\d+)?")
-
-
 def _split_parameters(
     view: Manifest, training: TrainingState | None, count: Callable[[Entry], int]
 ) -> tuple[int, dict[str, int]]:
@@ -324,11 +320,11 @@ def _split_parameters(
             if component not in training.components:
                 component = next((r for p, r in by_prefix if e.name.startswith(p)), whole)
             per[component] = per.get(component, 0) + counted
-    model = sum(n for k, n in per.items() if _MODEL_COMPONENT.fullmatch(k))
+    model = sum(n for k, n in per.items() if is_model_component(k))
     if not model and "weights" not in training.missing:
         return total, {}  # a layout whose weights are not under `model*`: all of it is model
     # no weights at all (deleted, cut short): 0 parameters, never the optimizer's moments
-    return model, {k: n for k, n in per.items() if not _MODEL_COMPONENT.fullmatch(k) and n}
+    return model, {k: n for k, n in per.items() if not is_model_component(k) and n}
 
 
 def _split_ranks(

@@ -12,6 +12,7 @@ from pydantic import Field
 from ...errors import FormatError, NotFoundError, UsageError
 from ...formats.base import Source
 from ...formats.names import (
+    DCP_DATA_SUFFIX,
     DCP_METADATA,
     SAFETENSORS_SUFFIX,
     WEIGHT_SUFFIXES,
@@ -256,14 +257,37 @@ def fsdp_save_files(source: Source, repo: HubRepo) -> tuple[str, set[str], set[s
     return layout.name, weights, state
 
 
-def fsdp_tensors_refused(src: str) -> UsageError:
-    """Tensors picked out of an FSDP save (`fsdp_save_files`): each rank's file holds part of
-    every tensor and the optimizer's state is keyed to the whole model, so the download is of
-    the whole save; `convert --select` picks tensors from the copy."""
+def dcp_save_files(repo: HubRepo) -> tuple[str, set[str], set[str]] | None:
+    """The files of a DCP checkpoint at SRC's root (a torchtitan `step-N/`, any `dcp.save`
+    folder pushed as it is): `.metadata` and every rank's `.distcp` file, which hold pieces of
+    every tensor of every component (model, optimizer, scheduler, data loader, train state), so
+    it is fetched whole, as `fsdp_save_files`' saves are. Its other top-level files are extras
+    or skipped. None when SRC holds no `.metadata` at its root."""
+    if DCP_METADATA not in repo.files:
+        return None
+    weights = {
+        rel
+        for rel in repo.files
+        if "/" not in rel and (rel == DCP_METADATA or rel.endswith(DCP_DATA_SUFFIX))
+    }
+    return "dcp", weights, set()
+
+
+def fsdp_tensors_refused(src: str, dcp: bool = False) -> UsageError:
+    """Tensors picked out of an FSDP save (`fsdp_save_files`) or a DCP checkpoint
+    (`dcp_save_files`, `dcp`): each rank's file holds part of every tensor and the optimizer's
+    state is keyed to the whole model, so the download is of the whole save; `convert
+    --select` picks tensors from the copy."""
+    what = (
+        "is a DCP checkpoint: every rank's .distcp file holds a part of every tensor of every "
+        "component"
+        if dcp
+        else "is an FSDP training save: its weights are FSDP's own files (DCP folders, each "
+        "rank's file a part of every tensor, or whole pytorch_model_fsdp*.bin files)"
+    )
     return UsageError(
-        "is an FSDP training save: its weights are FSDP's own files (DCP folders, each rank's "
-        "file a part of every tensor, or whole pytorch_model_fsdp*.bin files), which --filter, "
-        "--filter-out and --mode tensors cannot pick tensors out of; it is downloaded whole",
+        f"{what}, which --filter, --filter-out and --mode tensors cannot pick tensors out of; "
+        "it is downloaded whole",
         path=src,
         fix="Download it whole (no --filter, --filter-out or --mode tensors), then pick "
         "tensors from the copy: `ckpt convert COPY OUT --to safetensors --select model "

@@ -32,6 +32,7 @@ from .plan import (
     DownloadReport,
     DownloadRequest,
     FileKind,
+    dcp_save_files,
     fsdp_save_files,
     fsdp_tensors_refused,
     index_selection,
@@ -74,7 +75,8 @@ def download_shards(
         elif not bin_indexes and TorchFormat.detect(source):
             fmt = TorchFormat
         else:
-            fsdp = fsdp_save_files(source, repo)
+            # FSDP's own files, or a DCP at the root (a torchtitan step): fetched whole
+            fsdp = fsdp_save_files(source, repo) or dcp_save_files(repo)
             if fsdp is None:
                 raise no_safetensors(src, repo)
             _download_whole_save(source, storage, report, dest, asked, progress, fsdp)
@@ -181,16 +183,17 @@ def _download_whole_save(
     progress: Progress,
     save: tuple[str, set[str], set[str]],
 ) -> None:
-    """An FSDP training save (`fsdp_save_files`: DCP folders or FSDP state-dict files) fetched
-    whole: its weights, its optimizer, scheduler, RNG and trainer state, and the extras, each
-    checked against the Hub, so DEST resumes as the source would. Tensor globs are refused
+    """An FSDP training save (`fsdp_save_files`: DCP folders or FSDP state-dict files), or a
+    DCP checkpoint at the root (`dcp_save_files`: a torchtitan step), fetched whole: its
+    weights, its optimizer, scheduler, RNG and trainer state, and the extras, each checked
+    against the Hub, so DEST resumes as the source would. Tensor globs are refused
     (`fsdp_tensors_refused`). The tensors are counted from the copy written (reading the
     save's headers over the network would cost as much as its small files); a dry run or
     `--cache-only` counts none."""
+    layout, weights, state = save
     if asked.tensors or asked.exclude:
-        raise fsdp_tensors_refused(report.source)
+        raise fsdp_tensors_refused(report.source, dcp=layout == "dcp")
     repo = storage.repo
-    _layout, weights, state = save
     plan: list[tuple[str, FileKind]] = [(rel, "weights") for rel in sorted(weights)]
     plan.extend((rel, "state") for rel in sorted(state) if not _excluded(rel, asked))
     if asked.extras:

@@ -52,6 +52,7 @@ from .plan import (
     DownloadRange,
     DownloadReport,
     DownloadRequest,
+    dcp_save_files,
     fsdp_save_files,
     fsdp_tensors_refused,
     index_selection,
@@ -365,6 +366,8 @@ def download_tensors(
             )
         if fsdp_save_files(source, repo) is not None:
             raise fsdp_tensors_refused(src)
+        if dcp_save_files(repo) is not None:
+            raise fsdp_tensors_refused(src, dcp=True)
         raise no_safetensors(
             src, repo, "holds no safetensors files: --mode tensors needs raw byte ranges to fetch"
         )

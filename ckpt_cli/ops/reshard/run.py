@@ -243,14 +243,33 @@ def _training_layout(source: Source, format: str | None) -> OpenedSource | None:
     layout = folder_layout_named(opened.training.layout)
     if layout is not None and not layout.loads_size_shards:
         opened.checkpoint.close()
-        weights = opened.parts.get("model", ("model.safetensors", ""))[0]
+        from ...sources.layouts.base import is_model_component
+
+        # the files it holds the weights in, as saved (one per model, or per model and rank:
+        # `pytorch_model_fsdp_0_rank1.bin`), not a name it might have used
+        weights = sorted(f for c, (f, _) in opened.parts.items() if is_model_component(c))
+        named = ", ".join(f"`{f}`" for f in weights[:2]) + (
+            f" and {len(weights) - 2} more" if len(weights) > 2 else ""
+        )
+        named = f" ({named} here)" if weights else ""
+        per_rank = " and rank" if any("_rank" in c for c in opened.parts) else ""
         raise UsageError(
             f"--max-shard-size would cut the weights of this {layout.name} save into shards, "
-            f"and {layout.name} loads one file per model (`{weights}` here): the copy would "
-            "not resume",
+            f"and {layout.name} loads one file per model{per_rank}{named}: the copy "
+            "would not resume",
             path=source.location.raw,
-            fix="Export the weights cut by size with `ckpt convert SRC DEST --select model "
-            "--max-shard-size SIZE`, or reshard for another world size with --world-size N.",
+            fix=(
+                # each rank's part under its own name: no `model` to select, no world size to
+                # re-cut (`--world-size` refuses per-rank files)
+                "Cut the whole folder by size with `ckpt convert SRC DEST --to torch "
+                "--max-shard-size SIZE` (every rank's part kept under its own name), or load it "
+                "at its own world size and save it again as DCP (`use_dcp=True`), which "
+                "--world-size re-cuts."
+                if per_rank
+                else "Export the weights cut by size with `ckpt convert SRC DEST --to "
+                "safetensors --select model --max-shard-size SIZE`, or reshard for another "
+                "world size with --world-size N."
+            ),
         )
     return opened
 

@@ -20,6 +20,16 @@ if TYPE_CHECKING:
 #: the components `resumable` needs, in the order they are reported
 REQUIRED = ("weights", "optimizer", "scheduler", "step", "rng", "dataloader")
 
+#: the components that hold a model's weights: `model`, `model_1`... (several prepared models),
+#: `model_rank0` (a rank's FSDP part); not DeepSpeed's `model_states` (its bf16 module copy)
+_MODEL_COMPONENT = re.compile(r"model(_\d+)?(_rank\d+)?")
+
+
+def is_model_component(component: str) -> bool:
+    """Whether `component` of a training folder holds a model's weights (`model`, `model_1`,
+    `model_1_rank0`), rather than its training state."""
+    return _MODEL_COMPONENT.fullmatch(component) is not None
+
 
 @dataclass(frozen=True)
 class Placeholder:
