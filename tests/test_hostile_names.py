@@ -305,3 +305,35 @@ def test_thousands_of_names_sharing_a_long_prefix_are_not_quadratic(tmp_path: Pa
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.splitlines()[-1]) == [0, 0, 0, 0]
     assert len(torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)) == 1000
+
+
+def test_a_message_quoting_a_megabyte_name_keeps_its_ends_not_every_character(
+    tmp_path: Path,
+) -> None:
+    """Two overlapping tensors named with a million characters each: `verify` printed its
+    problem as one 2 MB line. Human output keeps the start (what is wrong) and the end (the
+    fix) and says how much it left out; `--json` keeps the whole message."""
+    import struct
+
+    from ckpt_cli.cli.render.terminal import MESSAGE_END_CHARS
+
+    long = "x" * 1_000_000
+    header = {
+        long: {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        long + "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    file = tmp_path / "overlap.safetensors"
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(12))
+
+    shown = run_ckpt("verify", file)
+    assert shown.exit_code == 1
+    [line] = [ln for ln in shown.stdout.splitlines() if "error overlap" in ln]
+    assert len(line) < 3 * MESSAGE_END_CHARS
+    assert "characters left out; --json has the whole message" in line
+    assert line.endswith("do not use this file.")  # the fix, whole
+
+    report = run_ckpt("verify", file, "--json")
+    [problem] = [p for p in report.json["result"]["problems"] if p["code"] == "overlap"]
+    assert long + "y" in problem["message"]

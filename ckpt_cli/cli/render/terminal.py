@@ -45,11 +45,26 @@ def one_line(name: str) -> str:
     return repr(name) if "\n" in name or "\r" in name else name
 
 
+#: characters of a message shown from each end when it is longer than twice this: the start
+#: says what is wrong, the end the fix; a name quoted in between may be any length (a tensor
+#: named with a megabyte of characters made a verify problem a 2 MB line)
+MESSAGE_END_CHARS = 5_000
+
+
 def one_line_message(text: str) -> str:
     """A message (an error, a warning, a verify problem with its fix) kept on one line: a line
     break in it comes from a name it quotes (a file may be named `a\\nb`), so it is written
-    as `\\n`, and the line's second half never reads as a record of its own."""
-    return text.replace("\n", "\\n")
+    as `\\n`, and the line's second half never reads as a record of its own. A message
+    longer than `2 * MESSAGE_END_CHARS` keeps its two ends and says how much it left out
+    between them; `--json` carries it whole."""
+    text = text.replace("\n", "\\n")
+    if len(text) <= 2 * MESSAGE_END_CHARS + 100:
+        return text
+    left_out = len(text) - 2 * MESSAGE_END_CHARS
+    return (
+        f"{text[:MESSAGE_END_CHARS]}… ({left_out:,} characters left out; --json has the whole "
+        f"message) …{text[-MESSAGE_END_CHARS:]}"
+    )
 
 
 def writes_utf8(stream: TextIO) -> bool:
