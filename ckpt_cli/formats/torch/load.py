@@ -319,6 +319,8 @@ def _refuse_non_pickle(storage: Storage, rel: str, where: str, size: int) -> Non
 
     head = storage.read(rel, 0, min(size, SNIFF_BYTES))
     if head[:1] == b"\x80":  # a pickle protocol marker: legacy torch.save, judged by the loader
+        if not _legacy_magic(head):
+            _refuse_bare_pickle(storage, rel, where, size)
         return
     raise FormatError(
         f"is not a torch.save file: it is {what_is(head, size)} (torch.save writes a ZIP "
@@ -326,6 +328,64 @@ def _refuse_non_pickle(storage: Storage, rel: str, where: str, size: int) -> Non
         path=where,
         fix="Check the path; if it is a checkpoint of another format, name it by that "
         "format's suffix or pass --format.",
+    )
+
+
+#: the number a legacy (non-zip) torch.save file's first pickle holds (`torch.serialization`'s
+#: MAGIC_NUMBER): a pickle that starts otherwise is no torch.save file
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+#: bytes of a bare pickle scanned for the globals it names (opcodes only, nothing is loaded)
+_BARE_SCAN_BYTES = 1 << 20
+
+
+def _legacy_magic(head: bytes) -> bool:
+    """Whether the pickle `head` starts with opens with torch's legacy magic number (after its
+    PROTO and FRAME opcodes): read by opcodes, nothing is loaded."""
+    import pickletools
+
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(head)):
+            if op.name in ("PROTO", "FRAME"):
+                continue
+            return op.name in ("LONG1", "LONG4", "LONG", "INT") and arg == _LEGACY_MAGIC
+    except Exception:  # any bytes: a head that does not parse is judged by the loader
+        return True
+    return False
+
+
+def _refuse_bare_pickle(storage: Storage, rel: str, where: str, size: int) -> None:
+    """Refuse a pickle that is not torch.save's (`pickle.dump` of an object): ckpt never
+    unpickles one. Named by the globals it asks to call (read from its opcodes, nothing is
+    imported or run), as torch.save files that ask for them are."""
+    from .pickle_scan import pickle_globals
+
+    names = [
+        n
+        for n in dict.fromkeys(pickle_globals(storage.read(rel, 0, min(size, _BARE_SCAN_BYTES))))
+        if not n.startswith("<not a valid pickle")
+    ]
+    fix = (
+        "ckpt never unpickles a plain pickle. Load it yourself (pickle.load) only if you "
+        "trust whoever wrote it, then re-save its tensors with torch.save (a dict of tensors) "
+        "or safetensors' save_file, and point ckpt at that."
+    )
+    # os.system pickles as the module that defines it (posix.system, nt.system)
+    names = [
+        f"{n} (os.{n.split('.', 1)[1]})" if n.split(".", 1)[0] in ("posix", "nt") else n
+        for n in names
+    ]
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise UnsafeInputError(
+            f"is a plain pickle (pickle.dump), not a torch.save file, and it asks to call "
+            f"{shown}, which ckpt never runs; nothing was executed",
+            path=where,
+            fix=fix,
+        )
+    raise FormatError(
+        "is a plain pickle (pickle.dump), not a torch.save file; nothing was executed",
+        path=where,
+        fix=fix,
     )
 
 
