@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ckpt_cli.sources.runs import scan_run
 
+from .conftest import run_ckpt
 from .run_fixtures import age, interrupted_trainer_save, trainer_checkpoint, trainer_run
 from .s3_fixtures import S3Server, upload_folder
 
@@ -65,3 +66,54 @@ def test_a_latest_file_linked_from_outside_the_run_names_nothing(tmp_path: Path)
     assert report.deepspeed_latest == "global_step5"
     newer = {c.name: c.status for c in report.checkpoints}
     assert newer["global_step10"] == "incomplete"  # newer than the tag `latest` names
+
+
+def test_a_pointer_to_a_link_loop_says_it_is_a_loop(tmp_path: Path) -> None:
+    """DeepSpeed's `latest` file, or Megatron-LM's tracker, naming a save that is a link
+    looping back on itself (`global_step20 -> global_step30 -> global_step20`): `latest` said
+    nothing of it (or "which is missing"); it names the loop and the fix."""
+    import os
+
+    import torch
+
+    from .run_fixtures import weights
+    from .test_megatron_legacy import TRACKER, legacy_save, megatron_args
+
+    ds = tmp_path / "ds"
+    for step in (5, 10):
+        (ds / f"global_step{step}").mkdir(parents=True)
+        torch.save(
+            {"module": weights(step)}, ds / f"global_step{step}" / "mp_rank_00_model_states.pt"
+        )
+    os.symlink("global_step30", ds / "global_step20")
+    os.symlink("global_step20", ds / "global_step30")
+    (ds / "latest").write_text("global_step20")
+    mg = tmp_path / "mg"
+    legacy_save(mg / "iter_0000010", 10, 1, 1, megatron_args(1, 1))
+    os.symlink("iter_0000030", mg / "iter_0000020")
+    os.symlink("iter_0000020", mg / "iter_0000030")
+    (mg / TRACKER).write_text("20")
+    for run in (ds, mg):
+        age(run)
+
+    for run, tag, chain, newest in (
+        (ds, "global_step20", "global_step20 -> global_step30 -> global_step20", "global_step10"),
+        (mg, "iter_0000020", "iter_0000020 -> iter_0000030 -> iter_0000020", "iter_0000010"),
+    ):
+        result = run_ckpt("latest", run)
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout.strip() == str(run / newest)
+        said = " ".join(result.stderr.split())
+        assert f"names {tag}, a symbolic link that loops back on itself ({chain})" in said, said
+        assert "remove the link" in said and "missing" not in said
+
+    # a DeepSpeed save folder opened as one checkpoint: its `latest` names the loop
+    single = tmp_path / "single"
+    (single / "global_step10").mkdir(parents=True)
+    torch.save({"module": weights(10)}, single / "global_step10" / "mp_rank_00_model_states.pt")
+    os.symlink("global_step20", single / "global_step20")
+    (single / "latest").write_text("global_step20")
+    error = run_ckpt("inspect", single, "--json").json["error"]
+    assert error["code"] == "not_found"
+    assert "loops back on itself (global_step20 -> global_step20)" in error["problem"]
+    assert "missing" not in error["problem"] and "Remove the link" in error["fix"]

@@ -715,3 +715,39 @@ def test_the_inspect_tree_never_drops_an_entry_of_a_folded_node(tmp_path: Path) 
     shown = run_ckpt("inspect", path).stdout
     assert "{0..1}.a" not in shown
     assert "{0..1}  2 tensors" in shown and "a  float32 [1]" in shown
+
+
+class _RunsEcho:
+    """What a hostile pickle holds: unpickled, it runs a shell command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_bare_pickle_that_asks_to_run_a_command_says_so_and_runs_nothing(
+    tmp_path: Path,
+) -> None:
+    """`pickle.dumps` of an object whose __reduce__ is (os.system, ...), saved as `.pt`: inspect,
+    verify and convert said "truncated or corrupt". It is a plain pickle that asks to call
+    os.system, which ckpt never runs, and the fix says what to do instead."""
+    import pickle
+
+    marker = tmp_path / "ran"
+    bad = tmp_path / "model.pt"
+    bad.write_bytes(pickle.dumps({"w": _RunsEcho(marker)}, protocol=2))
+    for args in (("inspect", bad), ("convert", bad, tmp_path / "out", "--to", "safetensors")):
+        result = run_ckpt(*args, "--json")
+        assert result.exit_code == 4, result.stdout
+        error = result.json["error"]
+        assert error["code"] == "unsafe_input" and error["path"] == str(bad)
+        assert "plain pickle" in error["problem"] and "os.system" in error["problem"]
+        assert "truncated" not in error["problem"]
+        assert "trust" in error["fix"] and "safetensors" in error["fix"]
+    verify = run_ckpt("verify", bad, "--json")
+    assert verify.exit_code == 1, verify.stdout
+    messages = [p["message"] for p in verify.json["result"]["problems"]]
+    assert any("os.system" in m and "never runs" in m for m in messages), messages
+    assert not marker.exists() and not (tmp_path / "out").exists()

@@ -552,7 +552,8 @@ def args_from_checkpoint(checkpoint: Checkpoint, style: MegatronStyle = LLAMA_ST
     --config. A model not of the family's `style` is refused (`args_from_megatron`)."""
     from ..errors import CkptError
     from ..formats.dcp.layout import MEGATRON_COMMON
-    from ..formats.torch.load import InertObject, load_torch_file
+    from ..formats.torch.inert import InertObject
+    from ..formats.torch.load import load_torch_file
 
     storage = checkpoint.storage
     if not storage.exists(MEGATRON_COMMON):

@@ -286,6 +286,12 @@ class Storage(ABC):
         none."""
         return None
 
+    def link_loop(self, rel: str) -> str | None:
+        """The chain of links `rel` starts when it is a link that loops back on itself
+        (`a -> b -> a`, as the kernel's ELOOP finds it), or None: a name no reader can open
+        although `ls` shows it. Only local folders have links; every other storage has none."""
+        return None
+
     def broken_links(self) -> dict[str, str]:
         """The top-level names that are links to nothing (name -> where they lead): a Hugging
         Face cache snapshot whose blobs were removed. The listing leaves them out, having no

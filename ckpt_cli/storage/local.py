@@ -137,6 +137,36 @@ def real_path(path: str | os.PathLike[str]) -> str:
         return os.path.abspath(path)
 
 
+#: links of a loop's chain named in full; a longer chain is cut there (the kernel gives up at 40)
+_LOOP_SHOWN = 8
+
+
+def link_loop(path: str | os.PathLike[str]) -> str | None:
+    """The chain of links `path` starts (`a -> b -> a`) when opening it fails with ELOOP, each
+    by the name its link holds; None for anything else. Read with `readlink` alone, at most
+    `_LOOP_SHOWN` links: nothing is opened."""
+    try:
+        os.stat(path)
+        return None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            return None
+    chain = [os.path.basename(os.fspath(path))]
+    seen = {os.path.abspath(path)}
+    here = os.path.abspath(path)
+    for _ in range(_LOOP_SHOWN):
+        try:
+            target = os.readlink(here)
+        except OSError:
+            break
+        chain.append(target)
+        here = os.path.normpath(os.path.join(os.path.dirname(here), target))
+        if here in seen:
+            return " -> ".join(chain)
+        seen.add(here)
+    return " -> ".join([*chain, "..."])
+
+
 class LocalStorage(Storage):
     """A folder on this machine; reads use `os.pread` so nothing is read that is not asked for."""
 
@@ -211,6 +241,9 @@ class LocalStorage(Storage):
             if real != self._link_root and not real.startswith(self._link_root + os.sep):
                 out[rel] = real
         return out
+
+    def link_loop(self, rel: str) -> str | None:
+        return link_loop(self.root / rel)
 
     def alias_of(self, rel: str) -> str | None:
         full = self.root / rel

@@ -21,7 +21,7 @@ from ...budgets import check_expanded
 from ...dtypes import MAX_NDIM
 from ...errors import FormatError
 from ...models import KeyedEntry, KeyStep
-from .load import INERT, InertObject
+from .inert import INERT, InertObject
 from .zip_index import TensorLayout, too_many_dims
 
 #: longest string an object entry shows as its value

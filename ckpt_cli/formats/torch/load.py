@@ -12,7 +12,6 @@ of DeepSpeed and Lightning (as inert records) are admitted beyond torch's own se
 
 from __future__ import annotations
 
-import copy
 import io
 import os
 import pickle
@@ -22,11 +21,12 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, ClassVar, TypeVar
+from typing import IO, Any, TypeVar
 
 from ...errors import CkptError, FormatError, UnsafeInputError
 from ...storage import Storage, StorageRangeFile
 from ...storage.local import open_regular
+from .inert import INERT
 from .preflight import check_legacy_head, check_zip_pickles, numpy_allowlist
 from .zip_index import check_zip_budget
 
@@ -51,76 +51,6 @@ def object_allowlist() -> list[Any]:
     and `torch.Generator`; nothing that can call arbitrary code. Shared by the DCP reader.
     """
     return [*numpy_allowlist(), *_generator_allowlist()]
-
-
-#: classes DeepSpeed pickles into its checkpoints that only carry data (loss scaler settings,
-#: the ZeRO stage, parameter fragment addresses). They load as inert records: their pickled
-#: state is kept, their code is never imported or run. Without them no ZeRO optimizer file
-#: loads under weights_only.
-INERT_CLASSES = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-    # hyper-parameters of older Lightning checkpoints
-    "argparse.Namespace",
-)
-#: dict subclasses that carry plain mappings (Lightning's hyper-parameters): loaded as dicts
-INERT_DICTS = (
-    "lightning.fabric.utilities.data.AttributeDict",
-    "lightning_fabric.utilities.data.AttributeDict",
-    "pytorch_lightning.utilities.parsing.AttributeDict",
-)
-
-
-class InertObject:
-    """A stand-in for an allow-listed class: holds the pickled arguments and state, no code."""
-
-    original: ClassVar[str] = ""
-    # class-level defaults: NEWOBJ builds instances without calling __init__
-    args: tuple[Any, ...] = ()
-    state: Any = None
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        self.args = args
-        self.state = kwargs or None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> InertObject:
-        new = type(self).__new__(type(self))
-        new.args = copy.deepcopy(self.args, memo)
-        new.state = copy.deepcopy(self.state, memo)
-        return new
-
-    def as_plain(self) -> dict[str, Any]:
-        """What the torch writer stores instead (the original class is not importable here)."""
-        return {"__class__": self.original, "args": list(self.args), "state": self.state}
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self.args == other.args and self.state == other.state
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"<inert {self.original} args={self.args!r} state={self.state!r}>"
-
-
-class InertDict:
-    """A stand-in for an allow-listed dict subclass: unpickles as a plain dict (its items follow
-    through SETITEMS, which torch's loader allows on plain dicts only)."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        return {}
-
-
-INERT: dict[str, type] = {
-    name: type(name.rsplit(".", 1)[1], (InertObject,), {"original": name}) for name in INERT_CLASSES
-}
-INERT.update(
-    {name: type(name.rsplit(".", 1)[1], (InertDict,), {"original": name}) for name in INERT_DICTS}
-)
 
 
 @contextmanager
@@ -389,6 +319,8 @@ def _refuse_non_pickle(storage: Storage, rel: str, where: str, size: int) -> Non
 
     head = storage.read(rel, 0, min(size, SNIFF_BYTES))
     if head[:1] == b"\x80":  # a pickle protocol marker: legacy torch.save, judged by the loader
+        if not _legacy_magic(head):
+            _refuse_bare_pickle(storage, rel, where, size)
         return
     raise FormatError(
         f"is not a torch.save file: it is {what_is(head, size)} (torch.save writes a ZIP "
@@ -396,6 +328,64 @@ def _refuse_non_pickle(storage: Storage, rel: str, where: str, size: int) -> Non
         path=where,
         fix="Check the path; if it is a checkpoint of another format, name it by that "
         "format's suffix or pass --format.",
+    )
+
+
+#: the number a legacy (non-zip) torch.save file's first pickle holds (`torch.serialization`'s
+#: MAGIC_NUMBER): a pickle that starts otherwise is no torch.save file
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+#: bytes of a bare pickle scanned for the globals it names (opcodes only, nothing is loaded)
+_BARE_SCAN_BYTES = 1 << 20
+
+
+def _legacy_magic(head: bytes) -> bool:
+    """Whether the pickle `head` starts with opens with torch's legacy magic number (after its
+    PROTO and FRAME opcodes): read by opcodes, nothing is loaded."""
+    import pickletools
+
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(head)):
+            if op.name in ("PROTO", "FRAME"):
+                continue
+            return op.name in ("LONG1", "LONG4", "LONG", "INT") and arg == _LEGACY_MAGIC
+    except Exception:  # any bytes: a head that does not parse is judged by the loader
+        return True
+    return False
+
+
+def _refuse_bare_pickle(storage: Storage, rel: str, where: str, size: int) -> None:
+    """Refuse a pickle that is not torch.save's (`pickle.dump` of an object): ckpt never
+    unpickles one. Named by the globals it asks to call (read from its opcodes, nothing is
+    imported or run), as torch.save files that ask for them are."""
+    from .pickle_scan import pickle_globals
+
+    names = [
+        n
+        for n in dict.fromkeys(pickle_globals(storage.read(rel, 0, min(size, _BARE_SCAN_BYTES))))
+        if not n.startswith("<not a valid pickle")
+    ]
+    fix = (
+        "ckpt never unpickles a plain pickle. Load it yourself (pickle.load) only if you "
+        "trust whoever wrote it, then re-save its tensors with torch.save (a dict of tensors) "
+        "or safetensors' save_file, and point ckpt at that."
+    )
+    # os.system pickles as the module that defines it (posix.system, nt.system)
+    names = [
+        f"{n} (os.{n.split('.', 1)[1]})" if n.split(".", 1)[0] in ("posix", "nt") else n
+        for n in names
+    ]
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise UnsafeInputError(
+            f"is a plain pickle (pickle.dump), not a torch.save file, and it asks to call "
+            f"{shown}, which ckpt never runs; nothing was executed",
+            path=where,
+            fix=fix,
+        )
+    raise FormatError(
+        "is a plain pickle (pickle.dump), not a torch.save file; nothing was executed",
+        path=where,
+        fix=fix,
     )
 
 

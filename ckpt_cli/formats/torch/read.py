@@ -33,7 +33,7 @@ from .zip_index import (
     TensorLayout,
     index_torch_zip,
     read_plain_torch_legacy,
-    read_plain_torch_zip,
+    read_torch_zip,
 )
 
 #: what a `torch_zip` reader returns
@@ -85,21 +85,25 @@ def _torch_reader_damage(local: Path) -> str | None:
         return torch_reader_damage(file)
 
 
-def _layouts(storage: Storage, rel: str) -> dict[tuple[str | int, ...], TensorLayout] | None:
-    """Where each tensor's bytes lie in a local zip torch.save file (see `torch_zip`)."""
-    index = _read_local_zip(storage, rel, index_torch_zip)
-    return None if index is None else index.tensors
-
-
 def read_plain(storage: Storage, rel: str) -> tuple[object, bool] | None:
     """A local file's object read without torch when it is plain data (`torch_zip`), and
     whether the file is in the legacy (non-zip) format; None for anything else (a remote
     file, one that needs torch.load)."""
-    found = _read_local_zip(storage, rel, read_plain_torch_zip)
+    return _read_local(storage, rel)[0]
+
+
+def _read_local(
+    storage: Storage, rel: str
+) -> tuple[tuple[object, bool] | None, dict[tuple[str | int, ...], TensorLayout] | None]:
+    """(`read_plain` of a local file, its zip's tensor layouts when it is a zip this reader
+    follows but not plain data): one read of its pickle serves both, so a file torch.load
+    reads (Megatron-LM's `model_optim_rng.pt`, whose `args` is a Namespace) is not indexed
+    twice."""
+    found = _read_local_zip(storage, rel, read_torch_zip)
     if found is not None:
-        return found[1], False
+        return ((found.root, False), None) if found.plain else (None, found.index.tensors)
     legacy = _read_local_zip(storage, rel, read_plain_torch_legacy)
-    return None if legacy is None else (legacy.root, True)
+    return (None if legacy is None else (legacy.root, True)), None
 
 
 def legacy_load_failures(storage: Storage, rel: str) -> list[str]:
@@ -159,13 +163,13 @@ class TorchCheckpoint(Checkpoint):
             # remote files: metadata only now, one whole file when a tensor of it is read
             remote = storage.local_path(shard) is None
             # plain state dicts are read without torch; anything else through torch.load
-            plain = None if remote else read_plain(storage, shard)
+            plain, indexed = (None, None) if remote else _read_local(storage, shard)
             if plain is not None:
                 (obj, is_legacy), layouts = plain, None
                 raw_read = True
             else:
                 obj, is_legacy = load_torch_file(storage, shard, meta=remote)
-                layouts = None if is_legacy or remote else _layouts(storage, shard)
+                layouts = None if is_legacy else indexed
             if is_legacy:
                 legacy.append(shard)
             objects[shard] = obj

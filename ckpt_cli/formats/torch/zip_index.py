@@ -22,6 +22,7 @@ from typing import Any
 from ...budgets import BudgetedUnpickler, check_expanded, check_inflated
 from ...dtypes import MAX_NDIM, STORAGE_DTYPES, is_known, itemsize
 from ...errors import CorruptDataError, FormatError
+from .inert import INERT, InertObject
 from .preflight import array_state_refused, numpy_allowlist
 
 #: a data.pkl larger than this is not read (100,000 tensors take ~10 MB)
@@ -473,6 +474,19 @@ def _plain_numpy(node: object) -> bool:
     return isinstance(node, np.dtype) and not node.hasobject
 
 
+def _inert_class(name: str) -> type | None:
+    """The stand-in class ckpt's torch.load admits for the inert record class `name`
+    (`inert.INERT_CLASSES`: an object of pickled arguments and state, no code), or None. Dict
+    stand-ins (`INERT_DICTS`) are left to torch.load."""
+    found = INERT.get(name)
+    return found if found is not None and issubclass(found, InertObject) else None
+
+
+def _is_inert(node: object) -> bool:
+    """Whether `node` is an object `_inert_class` built (not a subclass of one)."""
+    return isinstance(node, InertObject) and _inert_class(node.original) is type(node)
+
+
 class _LayoutUnpickler(BudgetedUnpickler):
     """Reads data.pkl at C speed with every global replaced by an inert stand-in.
 
@@ -496,6 +510,11 @@ class _LayoutUnpickler(BudgetedUnpickler):
             return _Kind(name, False)
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
+        inert = _inert_class(f"{module}.{name}")
+        if inert is not None:
+            # an inert record (Megatron-LM's `args` Namespace): the class torch.load is given
+            # for it (`inert.INERT`), which holds the pickled arguments and state and runs nothing
+            return inert
         if (module, name) == ("_codecs", "encode"):
             return _latin1_bytes  # how protocol 2 spells a bytes object (numpy's raw data)
         if module.startswith("numpy"):
@@ -540,6 +559,9 @@ def too_many_dims(name: str | None, ndim: int, where: str | None) -> FormatError
     )
 
 
+_WALKED = (_Tensor, dict, list, tuple)
+
+
 def _tensors(root: object) -> dict[tuple[str | int, ...], _Tensor]:
     """Every tensor reachable through dicts, lists and tuples, by its key path."""
     found: dict[tuple[str | int, ...], _Tensor] = {}
@@ -552,14 +574,23 @@ def _tensors(root: object) -> dict[tuple[str | int, ...], _Tensor]:
             raise _NotPlain("object graph too large")
         if isinstance(node, _Tensor):
             found[path] = node
-        elif isinstance(node, dict):
-            todo.extend(
-                ((*path, k), v)
+            continue
+        if isinstance(node, dict):
+            items: list[tuple[str | int, object]] = [
+                (k, v)
                 for k, v in node.items()
                 if isinstance(k, (str, int)) and not isinstance(k, bool)
-            )
+            ]
         elif isinstance(node, (list, tuple)):
-            todo.extend(((*path, i), v) for i, v in enumerate(node))
+            items = list(enumerate(node))
+        else:
+            continue
+        # a leaf (an RNG state's 625 ints) counts as a visit, but is never queued: it holds
+        # no tensor, and queueing each one was most of this walk's time
+        visits += len(items)
+        if items and (visits > _MAX_VISITS or len(path) >= 1000):
+            raise _NotPlain("object graph too large")
+        todo.extend(((*path, k), v) for k, v in items if isinstance(v, _WALKED))
     return found
 
 
@@ -604,7 +635,10 @@ def _layout(t: _Tensor, record: ZipRecord, little: bool) -> TensorLayout:
     )
 
 
-def _index(read: Read, start: int, length: int, where: str | None) -> tuple[TorchZipIndex, object]:
+def _index(
+    read: Read, start: int, length: int, where: str | None
+) -> tuple[TorchZipIndex, object, dict[int, TensorLayout]]:
+    """(the index, data.pkl's object with its tensor stand-ins, each stand-in's layout by id)."""
     base, names = _directory(read, start, length, where)
     end = start + length
     pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
@@ -627,6 +661,7 @@ def _index(read: Read, start: int, length: int, where: str | None) -> tuple[Torc
     prefix = f"{archive}/data/"
     records: dict[str, ZipRecord] = {}
     tensors: dict[tuple[str | int, ...], TensorLayout] = {}
+    by_id: dict[int, TensorLayout] = {}
     for path, t in _tensors(root).items():
         record = records.get(t.storage.key)
         if record is None:
@@ -637,8 +672,8 @@ def _index(read: Read, start: int, length: int, where: str | None) -> tuple[Torc
                 read, base, end, prefix + t.storage.key, found[1], found[2], found[4]
             )
             _check_record_size(t.storage, record, where)
-        tensors[path] = _layout(t, record, little)
-    return TorchZipIndex(archive, records, tensors), root
+        tensors[path] = by_id[id(t)] = _layout(t, record, little)
+    return TorchZipIndex(archive, records, tensors), root, by_id
 
 
 def _check_record_size(storage: _Storage, record: ZipRecord, where: str | None) -> None:
@@ -703,11 +738,23 @@ def _plain_tree(
             built = type(node)(copy(v, depth + 1) for v in node)  # type: ignore[call-arg, attr-defined]
             memo[id(node)] = built
             return built
+        if _is_inert(node):
+            return copy_inert(node, depth)
         if build is not None:
             value = build(node)
             memo[id(node)] = value
             return value
         raise _NotPlain(f"a {type(node).__name__}")
+
+    def copy_inert(node: Any, depth: int) -> object:
+        # as torch.load builds it: the same class, its arguments and state copied
+        record: Any = object.__new__(type(node))
+        memo[id(node)] = record
+        if "args" in vars(node):
+            record.args = copy(node.args, depth + 1)
+        if "state" in vars(node):
+            record.state = copy(node.state, depth + 1)
+        return record
 
     return copy(root, 0)
 
@@ -725,16 +772,44 @@ def read_plain_torch_zip(
     Raises FormatError naming `where` for what no reader should follow (a pickle or record
     over its budget, see `budgets`).
     """
+    found = read_torch_zip(read, start, length, where)
+    if found is None or not found.plain:
+        return None
+    return found.index, found.root
+
+
+@dataclass(frozen=True)
+class ZipRead:
+    """What `read_torch_zip` read of a torch.save zip.
+
+    Attributes:
+        index: its storage records and tensor layouts (`index_torch_zip`).
+        plain: whether the object is plain data (`read_plain_torch_zip`).
+        root: the object with each tensor as its `TensorLayout` when `plain`, else None.
+    """
+
+    index: TorchZipIndex
+    plain: bool
+    root: object
+
+
+def read_torch_zip(read: Read, start: int, length: int, where: str | None = None) -> ZipRead | None:
+    """`index_torch_zip` and `read_plain_torch_zip` of the same bytes, from one read of its
+    data.pkl: a file that is not plain data (Megatron-LM's `args` Namespace) is then loaded
+    with torch, and its layouts are this index, not a second read of the pickle. None where
+    `index_torch_zip` returns None; FormatError as it raises."""
     try:
-        index, root = _index(read, start, length, where)
-        layouts: dict[int, TensorLayout] = {}
-        for t, layout in _tensor_layouts(root, index):
-            layouts[id(t)] = layout
-        return index, _plain_tree(root, layouts)
+        index, root, layouts = _index(read, start, length, where)
     except FormatError:
         raise
     except Exception:  # any bytes: whatever this reader cannot follow, torch.load judges
         return None
+    try:
+        return ZipRead(index, True, _plain_tree(root, layouts))
+    except FormatError:
+        raise
+    except Exception:  # not plain data: torch.load reads it
+        return ZipRead(index, False, None)
 
 
 def _tensor_layouts(root: object, index: TorchZipIndex) -> list[tuple[_Tensor, TensorLayout]]:
@@ -773,7 +848,7 @@ def locate_single_tensor(
     FormatError naming `where` as `read_plain_torch_zip`.
     """
     try:
-        index, root = _index(read, start, length, where)
+        index, root, _ = _index(read, start, length, where)
     except FormatError:
         raise
     except Exception:  # any bytes: whatever this reader cannot follow, torch.load judges

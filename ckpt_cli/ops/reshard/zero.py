@@ -58,7 +58,8 @@ from ...dtypes import itemsize
 from ...errors import FormatError, UsageError
 from ...formats.base import Source
 from ...formats.names import RESHARD_RECORD, is_commit_marker
-from ...formats.torch.load import InertObject, load_torch_file
+from ...formats.torch.inert import InertObject
+from ...formats.torch.load import load_torch_file
 from ...formats.torch.zip_index import TensorLayout, TorchZipIndex, index_torch_zip
 from ...formats.torch.zip_write import Reduced, TorchZipWriter, write_record
 from ...models import FileInfo

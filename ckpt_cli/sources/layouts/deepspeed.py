@@ -257,6 +257,16 @@ def _tag_base(source: Source) -> str | None:
         return None  # some other tool's `latest` file
     # a tag folder linked from outside is not listed: it is refused, not missing
     source.storage.local_path(tag)
+    loop = source.storage.link_loop(tag)
+    if loop is not None:
+        from ..runs.scan import LINK_LOOP
+
+        raise NotFoundError(
+            f"`latest` names {tag!r}, {LINK_LOOP.format(chain=loop)}",
+            path=source.storage.describe("latest"),
+            fix=f"Remove the link or re-point it at a save (`rm {source.storage.describe(tag)}`). "
+            f"{_resume_instead(source, tag)}",
+        )
     why = "which is missing" if not inside else "which holds no model states (a save cut short?)"
     raise NotFoundError(
         f"`latest` names {tag!r}, {why}",

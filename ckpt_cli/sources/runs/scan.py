@@ -208,9 +208,11 @@ def scan(
                 report.megatron_latest = c.name
     if any(c.layout == MEGATRON for c in checkpoints):
         present = run.top_entries().get(MEGATRON_TRACKER) is False
-        report.tracker_problem = _tracker_problem(present, megatron_latest, report)
+        loop = None if megatron_latest is None else run.storage.link_loop(megatron_latest[1])
+        report.tracker_problem = _tracker_problem(present, megatron_latest, report, loop)
     if ds_latest and report.tracker_problem is None:
-        report.tracker_problem = deepspeed_latest_problem(ds_latest, report)
+        loop = run.storage.link_loop(ds_latest)
+        report.tracker_problem = deepspeed_latest_problem(ds_latest, report, loop)
     run.mark_links(checkpoints)
     report.aliases = _aliases(run, items)
     state = newest_trainer_state(run.storage, checkpoints)
@@ -307,10 +309,13 @@ def _megatron_latest(tracker: int | str | None) -> tuple[int, str] | None:
     return (0 if tracker == MEGATRON_RELEASE else int(tracker or 0)), folder
 
 
-def _tracker_problem(present: bool, named: tuple[int, str] | None, report: RunReport) -> str | None:
+def _tracker_problem(
+    present: bool, named: tuple[int, str] | None, report: RunReport, loop: str | None = None
+) -> str | None:
     """Why Megatron-LM would not resume a run's Megatron saves from the one `latest` names:
     its `latest_checkpointed_iteration.txt` is missing, says nothing, or names a save the run
-    folder lacks or holds incomplete; None when it names the save `latest` names."""
+    folder lacks (`loop`: a link that loops back on itself, its chain) or holds incomplete;
+    None when it names the save `latest` names."""
     fix = (
         f"write its iteration into {MEGATRON_TRACKER} to resume from "
         f"{report.latest.rstrip('/').rsplit('/', 1)[-1]}"
@@ -328,6 +333,12 @@ def _tracker_problem(present: bool, named: tuple[int, str] | None, report: RunRe
             f'load_checkpoint exits ("Invalid metadata file"); {fix}'
         )
     chosen = next((c for c in report.checkpoints if c.name == report.megatron_latest), None)
+    if chosen is None and loop is not None:
+        return (
+            f"{MEGATRON_TRACKER} names {named[1]}, {LINK_LOOP.format(chain=loop)}: "
+            f"Megatron-LM's load_checkpoint fails on it; remove the link or re-point it at a "
+            f"save, or {fix}"
+        )
     if chosen is None:
         return (
             f"{MEGATRON_TRACKER} names {named[1]}, which this run folder does not hold: "
@@ -341,13 +352,23 @@ def _tracker_problem(present: bool, named: tuple[int, str] | None, report: RunRe
     return None
 
 
-def deepspeed_latest_problem(tag: str, report: RunReport) -> str | None:
+#: what a pointer's save is when it is a link that loops back on itself (`chain`: `a -> b -> a`)
+LINK_LOOP = "a symbolic link that loops back on itself ({chain}), so no save is there"
+
+
+def deepspeed_latest_problem(tag: str, report: RunReport, loop: str | None = None) -> str | None:
     """Why DeepSpeed would not resume from the tag its `latest` file names: the run folder
-    lacks it, or holds it incomplete; with the saves it can resume from instead and the fix
-    (the file rewritten, or `tag=`). None when the tag is whole, or was not judged (older than
-    the newest complete save, when judging stopped there)."""
+    lacks it (`loop`: it is a link that loops back on itself, its chain), or holds it
+    incomplete; with the saves it can resume from instead and the fix (the file rewritten, or
+    `tag=`). None when the tag is whole, or was not judged (older than the newest complete
+    save, when judging stopped there)."""
     top = report.top_entries
     chosen = next((c for c in report.checkpoints if _base_name(c.name) == tag), None)
+    if chosen is None and loop is not None:
+        return (
+            f"the DeepSpeed `latest` file names {tag}, {LINK_LOOP.format(chain=loop)}: "
+            f"{resume_instead(report, tag)}; or remove the link {tag} or re-point it at a save"
+        )
     if chosen is None and tag in top:
         return None
     if chosen is not None and chosen.complete:
